@@ -1,0 +1,134 @@
+"""The error catalogue: stable codes, their HTTP status, and OpenAI's error envelope.
+
+Codes are a public contract (clients branch on them); add new ones, never rename.
+The envelope is OpenAI's, extended with ``violations`` so one response can name
+every cheap problem at once, while the OpenAI SDK still reads ``code``/``param``
+from the first one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import orjson
+
+
+class ErrorCode(str, Enum):
+    INVALID_JSON = "invalid_json"
+    INVALID_REQUEST = "invalid_request"
+    UNSUPPORTED_CONTENT_TYPE = "unsupported_content_type"
+    UNSUPPORTED_MODALITY = "unsupported_modality"
+    MODALITY_MISMATCH = "modality_mismatch"
+    ROLE_NOT_ALLOWED = "role_not_allowed"
+    UNKNOWN_MODEL = "unknown_model"
+    TOO_MANY_MEDIA = "too_many_media"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    INVALID_BASE64 = "invalid_base64"
+    INVALID_IMAGE = "invalid_image"
+    UNSUPPORTED_IMAGE_FORMAT = "unsupported_image_format"
+    ANIMATED_IMAGE = "animated_image"
+    IMAGE_TOO_LARGE = "image_too_large"
+    IMAGE_TOO_SMALL = "image_too_small"
+    TOO_MANY_IMAGE_TOKENS = "too_many_image_tokens"
+    URL_NOT_ALLOWED = "url_not_allowed"
+    MEDIA_FETCH_FAILED = "media_fetch_failed"
+    ENCODER_OVERLOADED = "encoder_overloaded"
+    ENCODER_ERROR = "encoder_error"
+    UPSTREAM_UNAVAILABLE = "upstream_unavailable"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_JSON: 400,
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.UNSUPPORTED_CONTENT_TYPE: 400,
+    ErrorCode.UNSUPPORTED_MODALITY: 400,
+    ErrorCode.MODALITY_MISMATCH: 400,
+    ErrorCode.ROLE_NOT_ALLOWED: 400,
+    ErrorCode.UNKNOWN_MODEL: 404,
+    ErrorCode.TOO_MANY_MEDIA: 400,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.INVALID_BASE64: 400,
+    ErrorCode.INVALID_IMAGE: 400,
+    ErrorCode.UNSUPPORTED_IMAGE_FORMAT: 400,
+    ErrorCode.ANIMATED_IMAGE: 400,
+    ErrorCode.IMAGE_TOO_LARGE: 400,
+    ErrorCode.IMAGE_TOO_SMALL: 400,
+    ErrorCode.TOO_MANY_IMAGE_TOKENS: 400,
+    ErrorCode.URL_NOT_ALLOWED: 400,
+    ErrorCode.MEDIA_FETCH_FAILED: 400,
+    ErrorCode.ENCODER_OVERLOADED: 503,
+    ErrorCode.ENCODER_ERROR: 500,
+    ErrorCode.UPSTREAM_UNAVAILABLE: 502,
+    ErrorCode.UPSTREAM_TIMEOUT: 504,
+}
+
+# OpenAI's `type` field: client mistakes vs. our side failing.
+_SERVER_SIDE = {
+    ErrorCode.ENCODER_OVERLOADED,
+    ErrorCode.ENCODER_ERROR,
+    ErrorCode.UPSTREAM_UNAVAILABLE,
+    ErrorCode.UPSTREAM_TIMEOUT,
+}
+
+# A 10,000-part request can produce 10,000 violations; the client needs a few.
+MAX_LISTED_VIOLATIONS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """One problem with a request; ``param`` is an OpenAI-style path or None."""
+
+    code: ErrorCode
+    message: str
+    param: str | None = None
+
+    @property
+    def status(self) -> int:
+        return STATUS[self.code]
+
+    def as_dict(self) -> dict[str, str | None]:
+        return {"code": self.code.value, "message": self.message, "param": self.param}
+
+
+def error_type(code: ErrorCode) -> str:
+    if code in _SERVER_SIDE:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_body(violations: Sequence[Violation]) -> dict:
+    """The envelope: the first violation fills message/param/code."""
+    if not violations:
+        raise ValueError("error_body needs at least one violation")
+    first = violations[0]
+    return {
+        "error": {
+            "message": first.message,
+            "type": error_type(first.code),
+            "param": first.param,
+            "code": first.code.value,
+            "violations": [v.as_dict() for v in violations[:MAX_LISTED_VIOLATIONS]],
+        }
+    }
+
+
+def error_json(violations: Sequence[Violation]) -> bytes:
+    return orjson.dumps(error_body(violations))
+
+
+def status_of(violations: Iterable[Violation]) -> int:
+    """The status of the first violation: it is the one the envelope reports."""
+    for violation in violations:
+        return violation.status
+    raise ValueError("status_of needs at least one violation")
+
+
+def path(*parts: str | int) -> str:
+    """OpenAI's param path style: ``messages.[1].content.[0].type``."""
+    return ".".join(f"[{p}]" if isinstance(p, int) else p for p in parts)

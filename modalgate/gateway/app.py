@@ -1,0 +1,46 @@
+"""The standalone gateway app behind ``modalgate serve``.
+
+Until the upstream proxy lands, the gateway answers the chat paths itself: an
+accepted request gets its verdict (200), a refused one the error (4xx) that
+ModalGate sends before this app ever sees it.
+"""
+
+from __future__ import annotations
+
+from os import PathLike
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp
+
+from modalgate.gateway.middleware import DEFAULT_PATHS, ModalGate, get_verdict
+from modalgate.gateway.responses import json_bytes
+from modalgate.policy import Policy
+
+VALIDATE_PATH = "/v1/validate"
+
+
+async def _verdict(request: Request) -> Response:
+    verdict = get_verdict(request.scope)
+    if verdict is None:  # only reachable if the app is served without its gate
+        return Response(status_code=500)
+    return Response(json_bytes(verdict.to_dict()), media_type="application/json")
+
+
+async def _healthz(request: Request) -> Response:
+    return Response(b'{"status":"ok"}', media_type="application/json")
+
+
+def create_app(
+    policy: Policy | str | PathLike[str] | None = None, mode: str | None = None
+) -> ASGIApp:
+    paths = (VALIDATE_PATH, *DEFAULT_PATHS)
+    inner = Starlette(
+        routes=[
+            *(Route(p, _verdict, methods=["POST"]) for p in paths),
+            Route("/healthz", _healthz, methods=["GET"]),
+        ]
+    )
+    return ModalGate(inner, policy=policy, mode=mode, paths=paths)

@@ -1,0 +1,184 @@
+"""``ModalGate``: pure ASGI middleware that refuses bad multimodal requests at the door.
+
+Only POST requests on the configured paths are read; everything else (other
+paths, websockets, lifespan) goes straight to the app, so streaming and
+upgrades work exactly as without the gate. An accepted body is replayed to the
+app byte for byte, then the app's ``receive`` continues with the real channel,
+so ``http.disconnect`` still arrives when the client goes away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from os import PathLike
+
+import anyio
+import anyio.to_thread
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from modalgate.errors import ErrorCode, Violation
+from modalgate.gateway.responses import send_error
+from modalgate.policy import Policy, RuleMatcher, load_policy
+from modalgate.validators import Verdict, validate_body
+
+DEFAULT_PATHS = ("/v1/chat/completions", "/chat/completions")
+# Bodies above this are validated in a worker thread: base64 and header work on
+# a multi-megabyte body would otherwise stall every other request on the loop.
+THREAD_THRESHOLD_BYTES = 256 * 1024
+VERDICT_STATE_KEY = "modalgate_verdict"
+
+
+class ModalGate:
+    def __init__(
+        self,
+        app: ASGIApp,
+        policy: Policy | str | PathLike[str] | None = None,
+        mode: str | None = None,
+        paths: Iterable[str] = DEFAULT_PATHS,
+        validation_threads: int = 4,
+    ) -> None:
+        self.app = app
+        self.paths = frozenset(p.rstrip("/") or "/" for p in paths)
+        self.validation_threads = validation_threads
+        self._limiter: anyio.CapacityLimiter | None = None
+        self.set_policy(policy if isinstance(policy, Policy) else load_policy(policy), mode)
+
+    def set_policy(self, policy: Policy, mode: str | None = None) -> None:
+        """Swap the policy atomically: a request in flight keeps the matcher it started with."""
+        self.matcher = RuleMatcher(policy, mode)
+        self.read_cap = max(
+            [policy.limits.max_body_bytes]
+            + [
+                r.limits.max_body_bytes
+                for r in policy.models
+                if r.limits and r.limits.max_body_bytes
+            ]
+        )
+
+    @property
+    def policy(self) -> Policy:
+        return self.matcher.policy
+
+    @property
+    def mode(self) -> str | None:
+        return self.matcher.mode
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or (scope["path"].rstrip("/") or "/") not in self.paths
+        ):
+            await self.app(scope, receive, send)
+            return
+        await _GatedRequest(self, self.matcher, self.read_cap)(scope, receive, send)
+
+    async def validate(self, body: bytes, matcher: RuleMatcher) -> Verdict:
+        if len(body) < THREAD_THRESHOLD_BYTES:
+            return validate_body(body, matcher)
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(self.validation_threads)
+        return await anyio.to_thread.run_sync(validate_body, body, matcher, limiter=self._limiter)
+
+
+class _GatedRequest:
+    """State of one gated request, in the manner of Starlette's GZip responder."""
+
+    def __init__(self, gate: ModalGate, matcher: RuleMatcher, read_cap: int) -> None:
+        self.gate = gate
+        self.matcher = matcher
+        self.read_cap = read_cap
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = _header_map(scope)
+        refusal = _header_refusal(headers, self.read_cap)
+        if refusal is not None:
+            await send_error(send, [refusal])
+            return
+        body = await self._read_body(receive, send)
+        if body is None:
+            return
+        verdict = await self.gate.validate(body, self.matcher)
+        if verdict.accepted and verdict.rule is not None:
+            cap = verdict.rule.limits.max_body_bytes
+            if len(body) > cap:
+                verdict.violations.append(_too_large(cap))
+        if not verdict.accepted:
+            await send_error(send, verdict.violations)
+            return
+        scope.setdefault("state", {})[VERDICT_STATE_KEY] = verdict
+        await self.gate.app(scope, _replay(body, receive), send)
+
+    async def _read_body(self, receive: Receive, send: Send) -> bytes | None:
+        """The whole body, or None once a 413 is sent or the client has gone."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.read_cap:
+                await send_error(send, [_too_large(self.read_cap)])
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def get_verdict(scope: Scope) -> Verdict | None:
+    """The Verdict ModalGate attached to an accepted request (``request.state`` in Starlette)."""
+    return scope.get("state", {}).get(VERDICT_STATE_KEY)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _header_map(scope: Scope) -> dict[bytes, bytes]:
+    return {name.lower(): value for name, value in scope.get("headers", ())}
+
+
+def _header_refusal(headers: dict[bytes, bytes], cap: int) -> Violation | None:
+    content_type = headers.get(b"content-type")
+    if content_type is not None:
+        main = content_type.split(b";", 1)[0].strip().lower()
+        if main != b"application/json" and not (
+            main.startswith(b"application/") and main.endswith(b"+json")
+        ):
+            shown = main.decode("latin-1")[:60]
+            return Violation(
+                ErrorCode.INVALID_REQUEST,
+                f"the request body must be JSON (Content-Type: application/json), not {shown!r}",
+            )
+    encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+    if encoding not in (b"identity", b""):
+        return Violation(
+            ErrorCode.INVALID_REQUEST,
+            "compressed request bodies (Content-Encoding) are not accepted",
+        )
+    length = headers.get(b"content-length")
+    if length is not None:
+        try:
+            declared = int(length)
+        except ValueError:
+            return Violation(ErrorCode.INVALID_REQUEST, "the Content-Length header is not a number")
+        if declared > cap:
+            return _too_large(cap)
+    return None
+
+
+def _too_large(cap: int) -> Violation:
+    return Violation(
+        ErrorCode.PAYLOAD_TOO_LARGE, f"the request body is larger than the limit of {cap} bytes"
+    )

@@ -1,0 +1,36 @@
+"""Sending modalgate's own JSON responses over raw ASGI."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import orjson
+from starlette.types import Send
+
+from modalgate.errors import Violation, error_json, status_of
+
+
+async def send_json(
+    send: Send, status: int, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_error(send: Send, violations: Sequence[Violation]) -> None:
+    """The OpenAI envelope; always plain JSON, even for ``"stream": true`` requests."""
+    await send_json(send, status_of(violations), error_json(violations))
+
+
+def json_bytes(value: object) -> bytes:
+    return orjson.dumps(value)

@@ -1,0 +1,117 @@
+"""The capability table as pydantic models: the single schema for YAML, TOML and JSON.
+
+Every model forbids unknown keys, so a typo in a policy file is an error that
+names the field instead of a limit that silently does not apply.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Media modalities a rule can accept; text always passes.
+MediaModality = Literal["image", "video", "audio", "file", "embeddings"]
+Modality = Literal["text", "image", "video", "audio", "file", "embeddings"]
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+ImageFormat = Literal["jpeg", "png", "webp", "gif", "bmp", "tiff", "heif", "avif", "ico"]
+UrlScheme = Literal["data", "https", "http", "file"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Limits(_Strict):
+    """Defaults at the top level; a rule's own ``limits`` override them field by field.
+
+    ``None`` for a count means no limit on that modality.
+    """
+
+    max_body_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    max_images: int | None = Field(16, ge=0)
+    max_videos: int | None = Field(None, ge=0)
+    max_audios: int | None = Field(None, ge=0)
+    max_files: int | None = Field(None, ge=0)
+    max_image_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    max_image_pixels: int = Field((512 * 14) ** 2, gt=0)
+    min_image_side: int = Field(2, ge=1)
+    image_formats: tuple[ImageFormat, ...] = ("jpeg", "png", "webp", "gif")
+    allow_animated: bool = False
+
+    def max_count(self, modality: str) -> int | None:
+        return {
+            "image": self.max_images,
+            "video": self.max_videos,
+            "audio": self.max_audios,
+            "file": self.max_files,
+        }.get(modality)
+
+    def merged(self, override: Limits | None) -> Limits:
+        if override is None:
+            return self
+        return self.model_copy(update=override.model_dump(exclude_unset=True))
+
+
+class TokenSpec(_Strict):
+    """How the model's processor turns an image into vision tokens (used for budgets)."""
+
+    family: str
+    patch_size: int | None = Field(None, gt=0)
+    merge_size: int | None = Field(None, gt=0)
+    max_patches: int | None = Field(None, gt=0)
+    max_side: int | None = Field(None, gt=0)
+    min_pixels: int | None = Field(None, gt=0)
+    max_pixels: int | None = Field(None, gt=0)
+    tokens_per_image: int | None = Field(None, gt=0)
+    tile_size: int | None = Field(None, gt=0)
+    max_tiles: int | None = Field(None, gt=0)
+    max_image_tokens: int | None = Field(None, gt=0)
+
+
+class MediaUrls(_Strict):
+    schemes: tuple[UrlScheme, ...] = ("data", "https")
+    # Empty: any public host. Entries are exact hosts or globs (``*.example.com``).
+    allow_hosts: tuple[str, ...] = ()
+    # Private, loopback, link-local... addresses stay refused unless listed here.
+    allow_private: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    file_roots: tuple[str, ...] = ()
+    fetch_timeout_s: float = Field(5.0, gt=0)
+    max_redirects: int = Field(3, ge=0)
+
+    @field_validator("allow_hosts")
+    @classmethod
+    def _lower_hosts(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(h.lower().rstrip(".") for h in hosts)
+
+
+class ModelRule(_Strict):
+    name: str = Field(min_length=1)
+    match: tuple[str, ...] = ()
+    mode: str | None = None
+    accepts: tuple[MediaModality, ...]
+    message: str | None = None
+    limits: Limits | None = None
+    media_roles: tuple[Role, ...] | None = None
+    tokens: TokenSpec | None = None
+    source: str | None = None
+
+
+class Policy(_Strict):
+    unknown_models: Literal["allow", "reject"] = "allow"
+    limits: Limits = Limits()
+    media_roles: tuple[Role, ...] = ("user",)
+    media_urls: MediaUrls = MediaUrls()
+    models: tuple[ModelRule, ...] = ()
+
+    @model_validator(mode="after")
+    def _unique_names_per_mode(self) -> Policy:
+        seen: set[tuple[str, str | None]] = set()
+        for rule in self.models:
+            key = (rule.name.lower(), rule.mode)
+            if key in seen:
+                where = f" in mode {rule.mode!r}" if rule.mode else ""
+                raise ValueError(f"duplicate model rule name {rule.name!r}{where}")
+            seen.add(key)
+        return self

@@ -1,0 +1,147 @@
+"""Checks on one media part, in two tiers.
+
+``cheap_violations`` reads only strings already in memory (URL text, data URL
+header, base64 length); ``probe_violations`` decodes the base64 payload and reads
+magic bytes and image headers. The request validator runs the probe tier only
+when the cheap tier found nothing, so a request refused for its 17th image
+never pays for decoding the first 16.
+"""
+
+from __future__ import annotations
+
+from modalgate.errors import ErrorCode, Violation
+from modalgate.media.data_url import Base64Error, decode_base64, decoded_size, parse_data_url
+from modalgate.media.sniff import SNIFF_BYTES, mime_modality, sniff
+from modalgate.policy.matching import ResolvedRule
+from modalgate.policy.models import MediaUrls
+from modalgate.validators.image_probe import ImageProbeError, probe_image
+from modalgate.validators.urls import url_refusal
+from modalgate.validators.verdict import MediaPart
+
+_GENERIC_MIMES = frozenset({"", "application/octet-stream", "binary/octet-stream"})
+_ARTICLE = {"image": "an image", "video": "a video", "audio": "audio", "file": "a document"}
+
+
+def _violation(code: ErrorCode, part: MediaPart, message: str) -> Violation:
+    param = part.payload_param or part.param
+    return Violation(code, f"{param}: {message}", param)
+
+
+def cheap_violations(part: MediaPart, rule: ResolvedRule, urls: MediaUrls) -> list[Violation]:
+    if part.url is not None:
+        reason = url_refusal(part.url, urls)
+        return [_violation(ErrorCode.URL_NOT_ALLOWED, part, reason)] if reason else []
+    if part.payload is None:
+        return []  # file_id or embeddings: nothing to look at here
+    if part.source == "data":
+        if "data" not in urls.schemes:
+            return [_violation(ErrorCode.URL_NOT_ALLOWED, part, "data URLs are not allowed")]
+        data_url = parse_data_url(part.payload)
+        if data_url is None:
+            return [_violation(ErrorCode.INVALID_REQUEST, part, "malformed data URL")]
+        if not data_url.is_base64:
+            return [
+                _violation(
+                    ErrorCode.INVALID_BASE64,
+                    part,
+                    "data URLs must be base64-encoded (data:<mime>;base64,<data>)",
+                )
+            ]
+        part.mime, part.payload = data_url.mime or None, data_url.payload
+        claimed = mime_modality(data_url.mime)
+        if (
+            part.modality != "file"
+            and data_url.mime not in _GENERIC_MIMES
+            and claimed != part.modality
+        ):
+            return [
+                _violation(
+                    ErrorCode.MODALITY_MISMATCH,
+                    part,
+                    f"the data URL's MIME type {data_url.mime[:60]!r} is not {part.modality}, "
+                    f"but the part is declared as {part.modality}",
+                )
+            ]
+    part.bytes = decoded_size(part.payload)
+    if part.modality == "image" and part.bytes > rule.limits.max_image_bytes:
+        return [
+            _violation(
+                ErrorCode.IMAGE_TOO_LARGE,
+                part,
+                f"image is {part.bytes} bytes; the limit is {rule.limits.max_image_bytes} bytes",
+            )
+        ]
+    return []
+
+
+def probe_violations(part: MediaPart, rule: ResolvedRule) -> list[Violation]:
+    if part.payload is None or part.source == "embeds":
+        return []
+    try:
+        part.data = decode_base64(part.payload)
+    except Base64Error as exc:
+        return [_violation(ErrorCode.INVALID_BASE64, part, str(exc))]
+    part.payload, part.bytes = None, len(part.data)
+    sniffed = sniff(part.data[:SNIFF_BYTES])
+    if sniffed is not None:
+        part.format = sniffed.format
+        if sniffed.modality != part.modality and part.modality != "file":
+            return [
+                _violation(
+                    ErrorCode.MODALITY_MISMATCH,
+                    part,
+                    f"declared as {part.modality} but the data is "
+                    f"{_ARTICLE[sniffed.modality]} ({sniffed.format.upper()})",
+                )
+            ]
+    if part.modality != "image":
+        return []
+    if sniffed is None:
+        return [_violation(ErrorCode.INVALID_IMAGE, part, "the data is not a recognised image")]
+    return _image_violations(part, rule)
+
+
+def _image_violations(part: MediaPart, rule: ResolvedRule) -> list[Violation]:
+    limits = rule.limits
+    assert part.data is not None and part.format is not None
+    if part.format not in limits.image_formats:
+        accepted = ", ".join(limits.image_formats)
+        return [
+            _violation(
+                ErrorCode.UNSUPPORTED_IMAGE_FORMAT,
+                part,
+                f"{part.format.upper()} images are not accepted (accepted: {accepted})",
+            )
+        ]
+    try:
+        facts = probe_image(part.data, part.format)
+    except ImageProbeError as exc:
+        return [_violation(ErrorCode.INVALID_IMAGE, part, str(exc))]
+    part.width, part.height, part.frames = facts.width, facts.height, facts.frames
+    size = f"{facts.width}x{facts.height}"
+    pixels = facts.width * facts.height
+    if pixels > limits.max_image_pixels:
+        return [
+            _violation(
+                ErrorCode.IMAGE_TOO_LARGE,
+                part,
+                f"image is {size} ({pixels} pixels); the limit is {limits.max_image_pixels} pixels",
+            )
+        ]
+    if min(facts.width, facts.height) < limits.min_image_side:
+        return [
+            _violation(
+                ErrorCode.IMAGE_TOO_SMALL,
+                part,
+                f"image is {size}; each side must be at least {limits.min_image_side} pixels",
+            )
+        ]
+    if facts.frames > 1 and not limits.allow_animated:
+        return [
+            _violation(
+                ErrorCode.ANIMATED_IMAGE,
+                part,
+                f"animated {part.format.upper()} with {facts.frames} frames; send a still image",
+            )
+        ]
+    return []

@@ -1,0 +1,197 @@
+"""Validate a chat request body: one JSON parse, one walk, every violation named.
+
+Pure and synchronous: bytes and a compiled policy in, a Verdict out. The walk
+knows only what gates need (model, roles, content parts); every other field is
+the server's business and passes untouched.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import orjson
+
+from modalgate.errors import MAX_LISTED_VIOLATIONS, ErrorCode, Violation, path
+from modalgate.policy.matching import ResolvedRule, RuleMatcher
+from modalgate.validators.media_checks import cheap_violations, probe_violations
+from modalgate.validators.parts import part_type_of, read_part
+from modalgate.validators.verdict import MediaPart, Verdict
+
+_NAMES = {
+    "image": "images",
+    "video": "videos",
+    "audio": "audio inputs",
+    "file": "files",
+    "embeddings": "embedding inputs",
+}
+
+
+def validate_body(body: bytes, matcher: RuleMatcher) -> Verdict:
+    """The whole check for one request body."""
+    try:
+        request = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        return Verdict([_json_problem(body, exc)], mode=matcher.mode)
+    if not isinstance(request, dict):
+        return Verdict(
+            [Violation(ErrorCode.INVALID_JSON, "the request body must be a JSON object")],
+            mode=matcher.mode,
+        )
+    return validate_request(request, matcher)
+
+
+def validate_request(request: dict[str, Any], matcher: RuleMatcher) -> Verdict:
+    model = request.get("model")
+    verdict = Verdict(
+        [], model=model if isinstance(model, str) else None, mode=matcher.mode, request=request
+    )
+    if model is not None and not isinstance(model, str):
+        verdict.violations.append(_invalid("'model' must be a string", "model"))
+        return verdict
+    rule = matcher.resolve(model or "")
+    verdict.rule = rule
+    if not rule.known and matcher.policy.unknown_models == "reject":
+        shown = repr(model[:100]) if model else "(none given)"
+        verdict.violations.append(
+            Violation(ErrorCode.UNKNOWN_MODEL, f"model: unknown model {shown}", "model")
+        )
+        return verdict
+    messages = request.get("messages")
+    if not isinstance(messages, list) or not messages:
+        problem = "is required" if messages is None else "must be a non-empty array"
+        verdict.violations.append(_invalid(f"'messages' {problem}", "messages"))
+        return verdict
+
+    _walk_messages(messages, rule, verdict)
+    if not verdict.violations:
+        _check_counts(rule, verdict)
+    if not verdict.violations:
+        for part in verdict.parts:
+            verdict.violations.extend(cheap_violations(part, rule, matcher.policy.media_urls))
+    if not verdict.violations:
+        for part in verdict.parts:
+            verdict.violations.extend(probe_violations(part, rule))
+    return verdict
+
+
+def _walk_messages(messages: list[Any], rule: ResolvedRule, verdict: Verdict) -> None:
+    violations = verdict.violations
+    for i, message in enumerate(messages):
+        if len(violations) >= MAX_LISTED_VIOLATIONS:
+            return
+        where = path("messages", i)
+        if not isinstance(message, dict):
+            violations.append(_invalid("each message must be an object", where))
+            continue
+        role = message.get("role")
+        if not isinstance(role, str):
+            violations.append(_invalid("'role' must be a string", path(where, "role")))
+            continue
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            if content is None and role in ("user", "system", "developer"):
+                violations.append(_invalid("'content' is required", path(where, "content")))
+            continue
+        if not isinstance(content, list):
+            violations.append(
+                _invalid(
+                    "'content' must be a string or an array of content parts",
+                    path(where, "content"),
+                )
+            )
+            continue
+        if not content and role == "user":
+            violations.append(
+                _invalid("'content' must not be an empty array", path(where, "content"))
+            )
+            continue
+        for j, part in enumerate(content):
+            _read_part(part, path(where, "content", j), role, rule, verdict)
+            if len(violations) >= MAX_LISTED_VIOLATIONS:
+                return
+
+
+def _read_part(part: Any, where: str, role: str, rule: ResolvedRule, verdict: Verdict) -> None:
+    if isinstance(part, str):
+        return  # vLLM takes bare strings as text parts
+    if not isinstance(part, dict):
+        verdict.violations.append(_invalid("each content part must be an object", where))
+        return
+    typed = part_type_of(part, where)
+    if isinstance(typed, Violation):
+        verdict.violations.append(typed)
+        return
+    part_type, type_param = typed
+    read = read_part(part_type, part, where, role)
+    if read is None:
+        return
+    if isinstance(read, Violation):
+        verdict.violations.append(read)
+        return
+    read.type_param = type_param
+    if read.modality not in rule.accepts:
+        verdict.violations.append(_unsupported(read, rule, verdict))
+    elif role not in rule.media_roles:
+        allowed = ", ".join(sorted(rule.media_roles))
+        verdict.violations.append(
+            Violation(
+                ErrorCode.ROLE_NOT_ALLOWED,
+                f"{where}: {read.modality} input is not allowed in '{role[:40]}' messages "
+                f"(allowed in: {allowed})",
+                where,
+            )
+        )
+    else:
+        verdict.parts.append(read)
+
+
+def _unsupported(part: MediaPart, rule: ResolvedRule, verdict: Verdict) -> Violation:
+    param = part.type_param or part.param
+    if rule.message:
+        message = f"{param}: {rule.message} (got {part.modality} input)"
+    else:
+        mode = f" in {verdict.mode} mode" if verdict.mode else ""
+        accepts = ", ".join(sorted(rule.accepts)) or "text only"
+        message = (
+            f"{param}: {part.modality} input is not supported by "
+            f"{(verdict.model or '')[:100]}{mode} (accepts: {accepts})"
+        )
+    return Violation(ErrorCode.UNSUPPORTED_MODALITY, message, param)
+
+
+def _check_counts(rule: ResolvedRule, verdict: Verdict) -> None:
+    seen: Counter[str] = Counter()
+    for part in verdict.parts:
+        seen[part.modality] += 1
+        limit = rule.limits.max_count(part.modality)
+        if limit is not None and seen[part.modality] == limit + 1:
+            total = sum(1 for p in verdict.parts if p.modality == part.modality)
+            name = _NAMES[part.modality]
+            verdict.violations.append(
+                Violation(
+                    ErrorCode.TOO_MANY_MEDIA,
+                    f"{part.param}: too many {name}: {total} sent, at most {limit} allowed"
+                    f" for {(verdict.model or 'this model')[:100]}",
+                    part.param,
+                )
+            )
+
+
+def _invalid(message: str, param: str) -> Violation:
+    return Violation(ErrorCode.INVALID_REQUEST, f"{param}: {message}", param)
+
+
+def _json_problem(body: bytes, exc: orjson.JSONDecodeError) -> Violation:
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError:
+        return Violation(ErrorCode.INVALID_JSON, "the request body is not valid UTF-8")
+    if not body.strip():
+        return Violation(ErrorCode.INVALID_JSON, "the request body is empty")
+    if "depth" in exc.msg or "recursion" in exc.msg:
+        return Violation(ErrorCode.INVALID_JSON, "the request body is nested too deeply")
+    return Violation(
+        ErrorCode.INVALID_JSON,
+        f"the request body is not valid JSON (line {exc.lineno}, column {exc.colno})",
+    )

@@ -1,0 +1,48 @@
+"""Scheme and host rules for remote media URLs: decided from the URL alone, no I/O.
+
+Resolving names and checking every resolved address belongs to the fetcher in
+``media/``; here a URL is refused when its text alone already says it must be.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import httpx
+
+from modalgate.media.addresses import is_forbidden_address, parse_host_address
+from modalgate.policy.models import MediaUrls
+
+
+def url_refusal(url: str, rules: MediaUrls) -> str | None:
+    """Why this URL may not be used, in words fit for a client; ``None`` if it may."""
+    if "\\" in url or any(ord(c) < 0x21 for c in url):
+        return "the URL contains backslashes, spaces or control characters"
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, ValueError, UnicodeError):
+        return "the URL cannot be parsed"
+    scheme = parsed.scheme.lower()
+    if not scheme:
+        return "the URL has no scheme; use https:// or a data: URL"
+    if scheme not in rules.schemes:
+        allowed = ", ".join(rules.schemes)
+        return f"the URL scheme {scheme!r} is not allowed (allowed: {allowed})"
+    if scheme == "file":
+        return None if rules.file_roots else "file URLs need configured media_urls.file_roots"
+    if parsed.userinfo:
+        return "URLs with user credentials are not allowed"
+    host = parsed.host.lower().rstrip(".")
+    if not host:
+        return "the URL has no host"
+    address = parse_host_address(host)
+    if address is not None:
+        if is_forbidden_address(address, rules.allow_private):
+            return "the URL points to a private, loopback or reserved address"
+    elif host == "localhost" or host.endswith(".localhost"):
+        loopback = parse_host_address("127.0.0.1")
+        if loopback is not None and is_forbidden_address(loopback, rules.allow_private):
+            return "the URL points to a private, loopback or reserved address"
+    if rules.allow_hosts and not any(fnmatch.fnmatchcase(host, p) for p in rules.allow_hosts):
+        return "the URL's host is not in the allowed hosts"
+    return None

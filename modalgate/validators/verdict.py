@@ -1,0 +1,81 @@
+"""What validation hands to the next stage: the parsed request, its media parts, the rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from modalgate.errors import Violation, status_of
+from modalgate.policy.matching import ResolvedRule
+
+
+@dataclass(slots=True)
+class MediaPart:
+    """One media content part with where it sits and what probing learned about it.
+
+    ``data`` holds the decoded bytes of a data URL or inline base64 payload, so
+    nothing downstream (encoder, proxy rewrite) decodes the same base64 again.
+    """
+
+    param: str  # the part itself: messages.[0].content.[1]
+    part_type: str
+    modality: str
+    role: str
+    source: str  # data | url | base64 | file_id | embeds
+    url: str | None = None  # remote URL, never a data URL
+    mime: str | None = None
+    format: str | None = None
+    width: int | None = None
+    height: int | None = None
+    frames: int | None = None
+    bytes: int | None = None
+    payload_param: str | None = None  # where the URL or base64 sits
+    type_param: str | None = None  # where the declared type sits
+    data: bytes | None = field(default=None, repr=False)
+    payload: str | None = field(default=None, repr=False)  # the base64 text, until decoded
+
+    def facts(self) -> dict[str, Any]:
+        return {
+            "param": self.param,
+            "type": self.part_type,
+            "modality": self.modality,
+            "source": self.source,
+            "url": self.url,
+            "mime": self.mime,
+            "format": self.format,
+            "width": self.width,
+            "height": self.height,
+            "frames": self.frames,
+            "bytes": self.bytes,
+        }
+
+
+@dataclass(slots=True)
+class Verdict:
+    """Accepted (no violations) or refused (every violation the checks found)."""
+
+    violations: list[Violation]
+    parts: list[MediaPart] = field(default_factory=list)
+    model: str | None = None
+    mode: str | None = None
+    rule: ResolvedRule | None = None
+    request: dict[str, Any] | None = field(default=None, repr=False)
+
+    @property
+    def accepted(self) -> bool:
+        return not self.violations
+
+    @property
+    def status(self) -> int:
+        return status_of(self.violations) if self.violations else 200
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "object": "modalgate.verdict",
+            "accepted": self.accepted,
+            "model": self.model,
+            "mode": self.mode,
+            "rule": self.rule.name if self.rule and self.rule.known else None,
+            "media": [part.facts() for part in self.parts],
+            "violations": [v.as_dict() for v in self.violations],
+        }
