@@ -132,3 +132,9 @@ def status_of(violations: Iterable[Violation]) -> int:
 def path(*parts: str | int) -> str:
     """OpenAI's param path style: ``messages.[1].content.[0].type``."""
     return ".".join(f"[{p}]" if isinstance(p, int) else p for p in parts)
+
+
+def payload_too_large(cap: int) -> Violation:
+    return Violation(
+        ErrorCode.PAYLOAD_TOO_LARGE, f"the request body is larger than the limit of {cap} bytes"
+    )

@@ -16,7 +16,7 @@ import anyio
 import anyio.to_thread
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from modalgate.errors import ErrorCode, Violation
+from modalgate.errors import ErrorCode, Violation, payload_too_large
 from modalgate.gateway.responses import send_error
 from modalgate.policy import Policy, RuleMatcher, load_policy
 from modalgate.validators import Verdict, validate_body
@@ -99,10 +99,6 @@ class _GatedRequest:
         if body is None:
             return
         verdict = await self.gate.validate(body, self.matcher)
-        if verdict.accepted and verdict.rule is not None:
-            cap = verdict.rule.limits.max_body_bytes
-            if len(body) > cap:
-                verdict.violations.append(_too_large(cap))
         if not verdict.accepted:
             await send_error(send, verdict.violations)
             return
@@ -120,7 +116,7 @@ class _GatedRequest:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.read_cap:
-                await send_error(send, [_too_large(self.read_cap)])
+                await send_error(send, [payload_too_large(self.read_cap)])
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -174,11 +170,5 @@ def _header_refusal(headers: dict[bytes, bytes], cap: int) -> Violation | None:
         except ValueError:
             return Violation(ErrorCode.INVALID_REQUEST, "the Content-Length header is not a number")
         if declared > cap:
-            return _too_large(cap)
+            return payload_too_large(cap)
     return None
-
-
-def _too_large(cap: int) -> Violation:
-    return Violation(
-        ErrorCode.PAYLOAD_TOO_LARGE, f"the request body is larger than the limit of {cap} bytes"
-    )

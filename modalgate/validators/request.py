@@ -12,7 +12,13 @@ from typing import Any
 
 import orjson
 
-from modalgate.errors import MAX_LISTED_VIOLATIONS, ErrorCode, Violation, path
+from modalgate.errors import (
+    MAX_LISTED_VIOLATIONS,
+    ErrorCode,
+    Violation,
+    path,
+    payload_too_large,
+)
 from modalgate.policy.matching import ResolvedRule, RuleMatcher
 from modalgate.validators.media_checks import cheap_violations, probe_violations
 from modalgate.validators.parts import part_type_of, read_part
@@ -38,10 +44,13 @@ def validate_body(body: bytes, matcher: RuleMatcher) -> Verdict:
             [Violation(ErrorCode.INVALID_JSON, "the request body must be a JSON object")],
             mode=matcher.mode,
         )
-    return validate_request(request, matcher)
+    return validate_request(request, matcher, body_size=len(body))
 
 
-def validate_request(request: dict[str, Any], matcher: RuleMatcher) -> Verdict:
+def validate_request(
+    request: dict[str, Any], matcher: RuleMatcher, body_size: int | None = None
+) -> Verdict:
+    """Validate an already-parsed request; ``body_size`` enables the per-model body cap."""
     model = request.get("model")
     verdict = Verdict(
         [], model=model if isinstance(model, str) else None, mode=matcher.mode, request=request
@@ -56,6 +65,9 @@ def validate_request(request: dict[str, Any], matcher: RuleMatcher) -> Verdict:
         verdict.violations.append(
             Violation(ErrorCode.UNKNOWN_MODEL, f"model: unknown model {shown}", "model")
         )
+        return verdict
+    if body_size is not None and body_size > rule.limits.max_body_bytes:
+        verdict.violations.append(payload_too_large(rule.limits.max_body_bytes))
         return verdict
     messages = request.get("messages")
     if not isinstance(messages, list) or not messages:
