@@ -1,0 +1,138 @@
+"""Shared test parts: real images made with Pillow, request builders, a real uvicorn server."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import socket
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import pybase64
+import pytest
+import uvicorn
+from PIL import Image
+
+from modalgate.policy import RuleMatcher, load_policy
+
+# ---------------------------------------------------------------- media bytes
+
+
+def image_bytes(fmt: str = "PNG", size: tuple[int, int] = (64, 48), mode: str = "RGB") -> bytes:
+    buffer = io.BytesIO()
+    Image.new(mode, size, "red" if mode == "RGB" else 1).save(buffer, fmt)
+    return buffer.getvalue()
+
+
+def animated_gif(frames: int = 3, size: tuple[int, int] = (16, 16)) -> bytes:
+    images = [Image.new("RGB", size, color) for color in ("red", "green", "blue")[:frames]]
+    buffer = io.BytesIO()
+    images[0].save(buffer, "GIF", save_all=True, append_images=images[1:], duration=50, loop=0)
+    return buffer.getvalue()
+
+
+def png_bomb(width: int = 100_000, height: int = 100_000) -> bytes:
+    """A real PNG whose header declares width x height; pixel data is a tiny stub."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+        + chunk(b"IEND", b"")
+    )
+
+
+# Minimal real container headers (enough for every sniffer, ffprobe included).
+MP4_BYTES = b"\x00\x00\x00\x18ftypmp42\x00\x00\x00\x00mp42isom" + b"\x00\x00\x00\x08free" * 4
+WAV_BYTES = (
+    b"RIFF"
+    + struct.pack("<I", 36 + 8)
+    + b"WAVEfmt "
+    + struct.pack("<IHHIIHH", 16, 1, 1, 8000, 16000, 2, 16)
+    + b"data"
+    + struct.pack("<I", 8)
+    + b"\x00" * 8
+)
+PDF_BYTES = b"%PDF-1.4\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF\n"
+
+
+def b64(data: bytes) -> str:
+    return pybase64.b64encode(data).decode()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{b64(data)}"
+
+
+# ---------------------------------------------------------------- requests
+
+
+def image_part(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def chat(*parts: Any, model: str = "kimi-k3", role: str = "user", **extra: Any) -> dict[str, Any]:
+    content: Any = list(parts) if parts else "hello"
+    return {"model": model, "messages": [{"role": role, "content": content}], **extra}
+
+
+def body(request: Any) -> bytes:
+    return orjson.dumps(request)
+
+
+@pytest.fixture(scope="session")
+def builtin_policy():
+    return load_policy()
+
+
+@pytest.fixture(scope="session")
+def encoder_matcher(builtin_policy) -> RuleMatcher:
+    return RuleMatcher(builtin_policy, "encoder")
+
+
+@pytest.fixture(scope="session")
+def full_matcher(builtin_policy) -> RuleMatcher:
+    return RuleMatcher(builtin_policy, None)
+
+
+# ---------------------------------------------------------------- real server
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(app: Any, **config: Any) -> Iterator[str]:
+    """Run ``app`` under a real uvicorn server on 127.0.0.1; yields the base URL."""
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **config
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
