@@ -12,6 +12,7 @@ import zlib
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import orjson
 import pybase64
 import pytest
@@ -136,3 +137,8 @@ def serve(app: Any, **config: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def parse_url(url: str) -> tuple[str, int]:
+    parsed = httpx.URL(url)
+    return parsed.host, parsed.port or 80
