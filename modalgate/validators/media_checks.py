@@ -12,10 +12,10 @@ from __future__ import annotations
 from modalgate.errors import ErrorCode, Violation
 from modalgate.media.data_url import Base64Error, decode_base64, decoded_size, parse_data_url
 from modalgate.media.sniff import SNIFF_BYTES, mime_modality, sniff
+from modalgate.media.urls import url_refusal
 from modalgate.policy.matching import ResolvedRule
 from modalgate.policy.models import MediaUrls
 from modalgate.validators.image_probe import ImageProbeError, probe_image
-from modalgate.validators.urls import url_refusal
 from modalgate.validators.verdict import MediaPart
 
 _GENERIC_MIMES = frozenset({"", "application/octet-stream", "binary/octet-stream"})

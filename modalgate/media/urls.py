@@ -1,7 +1,7 @@
-"""Scheme and host rules for remote media URLs: decided from the URL alone, no I/O.
+"""Scheme and host rules for media URLs, decided from the URL text alone (no I/O).
 
-Resolving names and checking every resolved address belongs to the fetcher in
-``media/``; here a URL is refused when its text alone already says it must be.
+The validators call this for the cheap tier; the fetcher calls it again for
+every redirect hop, then resolves the name and checks every address.
 """
 
 from __future__ import annotations
