@@ -9,14 +9,16 @@ so ``http.disconnect`` still arrives when the client goes away.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from os import PathLike
+from typing import TypeVar
 
 import anyio
 import anyio.to_thread
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, payload_too_large
+from modalgate.gateway.media import MediaStage
 from modalgate.gateway.responses import send_error
 from modalgate.policy import Policy, RuleMatcher, load_policy
 from modalgate.validators import Verdict, validate_body
@@ -26,6 +28,7 @@ DEFAULT_PATHS = ("/v1/chat/completions", "/chat/completions")
 # a multi-megabyte body would otherwise stall every other request on the loop.
 THREAD_THRESHOLD_BYTES = 256 * 1024
 VERDICT_STATE_KEY = "modalgate_verdict"
+T = TypeVar("T")
 
 
 class ModalGate:
@@ -46,6 +49,7 @@ class ModalGate:
     def set_policy(self, policy: Policy, mode: str | None = None) -> None:
         """Swap the policy atomically: a request in flight keeps the matcher it started with."""
         self.matcher = RuleMatcher(policy, mode)
+        self.media = MediaStage(policy.media_urls)
         self.read_cap = max(
             [policy.limits.max_body_bytes]
             + [
@@ -71,22 +75,26 @@ class ModalGate:
         ):
             await self.app(scope, receive, send)
             return
-        await _GatedRequest(self, self.matcher, self.read_cap)(scope, receive, send)
+        await _GatedRequest(self, self.matcher, self.media, self.read_cap)(scope, receive, send)
 
-    async def validate(self, body: bytes, matcher: RuleMatcher) -> Verdict:
-        if len(body) < THREAD_THRESHOLD_BYTES:
-            return validate_body(body, matcher)
+    async def run_cpu(self, size: int, function: Callable[..., T], *args: object) -> T:
+        """Small work inline; big work in a worker thread behind the gate's own limiter."""
+        if size < THREAD_THRESHOLD_BYTES:
+            return function(*args)
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self.validation_threads)
-        return await anyio.to_thread.run_sync(validate_body, body, matcher, limiter=self._limiter)
+        return await anyio.to_thread.run_sync(function, *args, limiter=self._limiter)
 
 
 class _GatedRequest:
     """State of one gated request, in the manner of Starlette's GZip responder."""
 
-    def __init__(self, gate: ModalGate, matcher: RuleMatcher, read_cap: int) -> None:
+    def __init__(
+        self, gate: ModalGate, matcher: RuleMatcher, media: MediaStage, read_cap: int
+    ) -> None:
         self.gate = gate
         self.matcher = matcher
+        self.media = media
         self.read_cap = read_cap
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -98,7 +106,12 @@ class _GatedRequest:
         body = await self._read_body(receive, send)
         if body is None:
             return
-        verdict = await self.gate.validate(body, self.matcher)
+        verdict = await self.gate.run_cpu(len(body), validate_body, body, self.matcher)
+        if verdict.accepted and verdict.remote_parts:
+            await self.media.fetch(verdict)
+            if verdict.accepted and self.media.inline:
+                body = await self.gate.run_cpu(len(body), self.media.inlined_body, verdict)
+                scope = dict(scope, headers=_with_content_length(scope, len(body)))
         if not verdict.accepted:
             await send_error(send, verdict.violations)
             return
@@ -139,6 +152,12 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+def _with_content_length(scope: Scope, length: int) -> list[tuple[bytes, bytes]]:
+    headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-length"]
+    headers.append((b"content-length", str(length).encode()))
+    return headers
 
 
 def _header_map(scope: Scope) -> dict[bytes, bytes]:

@@ -79,6 +79,12 @@ class MediaUrls(_Strict):
     file_roots: tuple[str, ...] = ()
     fetch_timeout_s: float = Field(5.0, gt=0)
     max_redirects: int = Field(3, ge=0)
+    # The gate downloads remote media to check it like inline media ...
+    fetch: bool = True
+    # ... and forwards it inline (as a data URL), so the server never downloads it again.
+    inline_fetched: bool = True
+    max_connections: int = Field(64, gt=0)
+    max_connections_per_host: int = Field(8, gt=0)
 
     @field_validator("allow_hosts")
     @classmethod

@@ -1,6 +1,6 @@
 """Stage two of the flow: pure, synchronous request validation (no I/O, no awaits)."""
 
-from modalgate.validators.request import validate_body, validate_request
+from modalgate.validators.request import check_fetched, validate_body, validate_request
 from modalgate.validators.verdict import MediaPart, Verdict
 
-__all__ = ["MediaPart", "Verdict", "validate_body", "validate_request"]
+__all__ = ["MediaPart", "Verdict", "check_fetched", "validate_body", "validate_request"]

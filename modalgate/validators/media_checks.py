@@ -75,13 +75,22 @@ def cheap_violations(part: MediaPart, rule: ResolvedRule, urls: MediaUrls) -> li
 
 
 def probe_violations(part: MediaPart, rule: ResolvedRule) -> list[Violation]:
+    """Decode an inline payload, then check what the bytes are."""
     if part.payload is None or part.source == "embeds":
         return []
     try:
         part.data = decode_base64(part.payload)
     except Base64Error as exc:
         return [_violation(ErrorCode.INVALID_BASE64, part, str(exc))]
-    part.payload, part.bytes = None, len(part.data)
+    part.payload = None
+    return content_violations(part, rule)
+
+
+def content_violations(part: MediaPart, rule: ResolvedRule) -> list[Violation]:
+    """Magic bytes and image header of ``part.data``, inline or fetched alike."""
+    if part.data is None:
+        return []
+    part.bytes = len(part.data)
     sniffed = sniff(part.data[:SNIFF_BYTES])
     if sniffed is not None:
         part.format = sniffed.format

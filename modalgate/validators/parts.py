@@ -140,8 +140,10 @@ def read_part(
             if detail is not None and (not isinstance(detail, str) or detail not in IMAGE_DETAILS):
                 return _bad("'detail' must be one of auto, low, high", path(key_param, "detail"))
             url, url_param = value.get("url"), path(key_param, "url")
+            media.holder, media.key = value, "url"
         else:
             url, url_param = value, key_param
+            media.holder, media.key = part, kind.key
         if not isinstance(url, str):
             return _bad("must be an object with a string 'url'", url_param)
         return _with_url(media, url, url_param)
@@ -164,12 +166,12 @@ def read_part(
     if kind.shape == "file":
         if not isinstance(value, dict):
             return _bad("must be an object with 'file_data' or 'file_id'", key_param)
-        return _url_or_file_id(media, value, "file_data", key_param, inline=True)
+        return _url_or_file_id(media, value, "file_data", key_param, bare_base64=True)
     if kind.shape == "input_file":
         url = part.get("file_url")
         if isinstance(url, str) and "file_data" not in part:
-            return _with_url(media, url, path(where, "file_url"))
-        return _url_or_file_id(media, part, "file_data", where, inline=True)
+            return _with_url(media, url, path(where, "file_url"))  # never inlined: not a URL slot
+        return _url_or_file_id(media, part, "file_data", where, bare_base64=True)
     # embeds: a base64 tensor, or a dict of them (vLLM); checked by the server that loads them.
     well_formed = isinstance(value, str) or (
         isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
@@ -181,23 +183,27 @@ def read_part(
 
 
 def _url_or_file_id(
-    media: MediaPart, holder: dict[str, Any], url_key: str, where: str, *, inline: bool = False
+    media: MediaPart, holder: dict[str, Any], url_key: str, where: str, *, bare_base64: bool = False
 ) -> MediaPart | Violation:
     url, file_id = holder.get(url_key), holder.get("file_id")
     if isinstance(url, str):
-        return _with_url(media, url, path(where, url_key), inline=inline)
+        if not bare_base64:
+            media.holder, media.key = holder, url_key
+        return _with_url(media, url, path(where, url_key), bare_base64=bare_base64)
     if url is None and isinstance(file_id, str):
         media.source, media.payload_param = "file_id", path(where, "file_id")
         return media
     return _bad(f"must carry a string {url_key!r} or 'file_id'", path(where, url_key))
 
 
-def _with_url(media: MediaPart, url: str, url_param: str, *, inline: bool = False) -> MediaPart:
+def _with_url(
+    media: MediaPart, url: str, url_param: str, *, bare_base64: bool = False
+) -> MediaPart:
     """A data URL, a remote URL, or (``file_data``) bare base64."""
     media.payload_param = url_param
     if url[:5].lower() == "data:":
         media.source, media.payload = "data", url
-    elif inline:
+    elif bare_base64:
         media.source, media.payload = "base64", url
     else:
         media.url = url

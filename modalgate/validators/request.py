@@ -20,7 +20,11 @@ from modalgate.errors import (
     payload_too_large,
 )
 from modalgate.policy.matching import ResolvedRule, RuleMatcher
-from modalgate.validators.media_checks import cheap_violations, probe_violations
+from modalgate.validators.media_checks import (
+    cheap_violations,
+    content_violations,
+    probe_violations,
+)
 from modalgate.validators.parts import part_type_of, read_part
 from modalgate.validators.verdict import MediaPart, Verdict
 
@@ -85,6 +89,14 @@ def validate_request(
         for part in verdict.parts:
             verdict.violations.extend(probe_violations(part, rule))
     return verdict
+
+
+def check_fetched(verdict: Verdict) -> None:
+    """Run the content checks on parts whose bytes were fetched after validation."""
+    assert verdict.rule is not None
+    for part in verdict.parts:
+        if part.url is not None and part.data is not None:
+            verdict.violations.extend(content_violations(part, verdict.rule))
 
 
 def _walk_messages(messages: list[Any], rule: ResolvedRule, verdict: Verdict) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import pybase64
+
 from modalgate.errors import Violation, status_of
 from modalgate.policy.matching import ResolvedRule
 
@@ -32,7 +34,21 @@ class MediaPart:
     payload_param: str | None = None  # where the URL or base64 sits
     type_param: str | None = None  # where the declared type sits
     data: bytes | None = field(default=None, repr=False)
+    # The dict and key holding the URL string, so a fetched URL can be inlined.
+    holder: dict[str, Any] | None = field(default=None, repr=False)
+    key: str | None = None
     payload: str | None = field(default=None, repr=False)  # the base64 text, until decoded
+
+    def inline(self) -> bool:
+        """Replace a fetched URL in the request by a data URL of the fetched bytes."""
+        if self.holder is None or self.key is None or self.data is None or self.url is None:
+            return False
+        if self.format and self.modality in ("image", "video", "audio"):
+            mime = f"{self.modality}/{self.format}"  # what the bytes are, not what a server said
+        else:
+            mime = self.mime or "application/octet-stream"
+        self.holder[self.key] = f"data:{mime};base64,{pybase64.b64encode(self.data).decode()}"
+        return True
 
     def facts(self) -> dict[str, Any]:
         return {
@@ -64,6 +80,10 @@ class Verdict:
     @property
     def accepted(self) -> bool:
         return not self.violations
+
+    @property
+    def remote_parts(self) -> list[MediaPart]:
+        return [part for part in self.parts if part.url is not None]
 
     @property
     def status(self) -> int:
