@@ -18,7 +18,7 @@ import contextvars
 import os
 import socket
 import ssl
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,6 +98,15 @@ class _PinnedTransport(httpx.AsyncHTTPTransport):
         )
 
 
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+async def system_resolver(host: str, port: int) -> list[str]:
+    """Every address the system resolver gives for ``host``."""
+    infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [str(info[4][0]) for info in infos]
+
+
 class MediaFetcher:
     """Fetches media URLs under one ``media_urls`` policy; share one per process."""
 
@@ -108,8 +117,10 @@ class MediaFetcher:
         verify: ssl.SSLContext | bool = True,
         max_connections: int = 64,
         max_per_host: int = 8,
+        resolver: Resolver = system_resolver,
     ) -> None:
         self.rules = rules
+        self._resolver = resolver
         self._client = httpx.AsyncClient(
             transport=_PinnedTransport(verify, max_connections),
             follow_redirects=False,
@@ -176,12 +187,12 @@ class MediaFetcher:
         else:
             try:
                 port = url.port or (443 if url.scheme == "https" else 80)
-                infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                resolved = await self._resolver(host, port)
             except (OSError, UnicodeError):
                 raise FetchError(
                     ErrorCode.MEDIA_FETCH_FAILED, "the URL's host name does not resolve"
                 ) from None
-            addresses = [p for p in (parse_host_address(str(i[4][0])) for i in infos) if p]
+            addresses = [a for a in map(parse_host_address, resolved) if a is not None]
         if not addresses:
             raise FetchError(ErrorCode.MEDIA_FETCH_FAILED, "the URL's host name does not resolve")
         if any(is_forbidden_address(a, self.rules.allow_private) for a in addresses):
