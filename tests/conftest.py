@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import io
 import socket
+import ssl
 import struct
 import threading
 import time
 import zlib
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -142,3 +144,56 @@ def serve(app: Any, **config: Any) -> Iterator[str]:
 def parse_url(url: str) -> tuple[str, int]:
     parsed = httpx.URL(url)
     return parsed.host, parsed.port or 80
+
+
+# ---------------------------------------------------------------- media server
+
+
+class Recorder(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address, routes, tls: ssl.SSLContext | None = None):
+        self.routes = routes
+        self.connections: list[str] = []
+        self.hosts: list[str] = []
+        super().__init__(address, _Handler)
+        if tls is not None:
+            self.socket = tls.wrap_socket(self.socket, server_side=True)
+
+    def verify_request(self, request, client_address) -> bool:
+        self.connections.append(client_address[0])
+        return True
+
+    @property
+    def base(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.server.hosts.append(self.headers.get("host", ""))
+        route = self.server.routes.get(self.path)
+        if route is None:
+            self.send_response(404)
+            self.send_header("content-length", "0")
+            self.end_headers()
+            return
+        route(self)
+
+
+def send_body(handler, body: bytes, content_type: str = "image/png", length: bool = True) -> None:
+    handler.send_response(200)
+    handler.send_header("content-type", content_type)
+    if length:
+        handler.send_header("content-length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def start_server(server: Recorder) -> Recorder:
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server

@@ -10,67 +10,20 @@ from __future__ import annotations
 import ipaddress
 import os
 import ssl
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import anyio
 import pytest
 import trustme
 
-from conftest import image_bytes
+from conftest import Recorder, image_bytes, send_body, start_server
 from modalgate.errors import ErrorCode
 from modalgate.media.fetch import FetchError, MediaFetcher
 from modalgate.policy.models import MediaUrls
 
 PNG = image_bytes("PNG", (32, 24))
 LOOPBACK_ONLY = (ipaddress.ip_network("127.0.0.1/32"),)
-
-
-class Recorder(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, address, routes, tls: ssl.SSLContext | None = None):
-        self.routes = routes
-        self.connections: list[str] = []
-        self.hosts: list[str] = []
-        super().__init__(address, _Handler)
-        if tls is not None:
-            self.socket = tls.wrap_socket(self.socket, server_side=True)
-
-    def verify_request(self, request, client_address) -> bool:
-        self.connections.append(client_address[0])
-        return True
-
-    @property
-    def base(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
-
-
-class _Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        self.server.hosts.append(self.headers.get("host", ""))
-        route = self.server.routes.get(self.path)
-        if route is None:
-            self.send_response(404)
-            self.send_header("content-length", "0")
-            self.end_headers()
-            return
-        route(self)
-
-
-def _send(handler, body: bytes, content_type: str = "image/png", length: bool = True) -> None:
-    handler.send_response(200)
-    handler.send_header("content-type", content_type)
-    if length:
-        handler.send_header("content-length", str(len(body)))
-    handler.end_headers()
-    handler.wfile.write(body)
 
 
 def _redirect(target: str):
@@ -105,14 +58,9 @@ def _endless(handler) -> None:
         pass
 
 
-def _start(server: Recorder) -> Recorder:
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
 @pytest.fixture(scope="module")
 def forbidden() -> Iterator[Recorder]:
-    server = _start(Recorder(("127.0.0.2", 0), {"/a.png": lambda h: _send(h, PNG)}))
+    server = start_server(Recorder(("127.0.0.2", 0), {"/a.png": lambda h: send_body(h, PNG)}))
     yield server
     server.shutdown()
 
@@ -121,11 +69,11 @@ def forbidden() -> Iterator[Recorder]:
 def media(forbidden) -> Iterator[Recorder]:
     port = forbidden.server_address[1]
     routes = {
-        "/a.png": lambda h: _send(h, PNG),
-        "/page.html": lambda h: _send(h, b"<html>hi</html>", "text/html"),
-        "/data.json": lambda h: _send(h, b"{}", "application/json"),
-        "/octet": lambda h: _send(h, PNG, "application/octet-stream"),
-        "/big": lambda h: _send(h, b"\x00" * 50_000),
+        "/a.png": lambda h: send_body(h, PNG),
+        "/page.html": lambda h: send_body(h, b"<html>hi</html>", "text/html"),
+        "/data.json": lambda h: send_body(h, b"{}", "application/json"),
+        "/octet": lambda h: send_body(h, PNG, "application/octet-stream"),
+        "/big": lambda h: send_body(h, b"\x00" * 50_000),
         "/endless": _endless,
         "/drip": _drip,
         "/to-metadata": _redirect("http://169.254.169.254/latest/meta-data/"),
@@ -137,7 +85,7 @@ def media(forbidden) -> Iterator[Recorder]:
         "/loop": _redirect("/loop"),
         "/to-file": _redirect("file:///etc/passwd"),
     }
-    server = _start(Recorder(("127.0.0.1", 0), routes))
+    server = start_server(Recorder(("127.0.0.1", 0), routes))
     yield server
     server.shutdown()
 
@@ -349,7 +297,9 @@ def test_tls_to_a_pinned_address_keeps_server_name_and_verification(tmp_path):
     certificate = authority.issue_cert("media.test")
     server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     certificate.configure_cert(server_context)
-    server = _start(Recorder(("127.0.0.1", 0), {"/a.png": lambda h: _send(h, PNG)}, server_context))
+    server = start_server(
+        Recorder(("127.0.0.1", 0), {"/a.png": lambda h: send_body(h, PNG)}, server_context)
+    )
     client_context = ssl.create_default_context()
     authority.configure_trust(client_context)
     port = server.server_address[1]
