@@ -39,6 +39,9 @@ class Limits(_Strict):
     min_image_side: int = Field(2, ge=1)
     image_formats: tuple[ImageFormat, ...] = ("jpeg", "png", "webp", "gif")
     allow_animated: bool = False
+    # Vision-token budgets, estimated with the rule's `tokens` family; None = no budget.
+    max_image_tokens: int | None = Field(None, gt=0)
+    max_request_image_tokens: int | None = Field(None, gt=0)
 
     def max_count(self, modality: str) -> int | None:
         return {
@@ -55,7 +58,11 @@ class Limits(_Strict):
 
 
 class TokenSpec(_Strict):
-    """How the model's processor turns an image into vision tokens (used for budgets)."""
+    """How the model's processor turns an image into vision tokens (used for budgets).
+
+    ``family`` names the estimator: ``kimi_navit``, ``qwen_smart_resize`` and
+    ``fixed`` have one; other families are recorded facts without budgets.
+    """
 
     family: str
     patch_size: int | None = Field(None, gt=0)
@@ -67,7 +74,6 @@ class TokenSpec(_Strict):
     tokens_per_image: int | None = Field(None, gt=0)
     tile_size: int | None = Field(None, gt=0)
     max_tiles: int | None = Field(None, gt=0)
-    max_image_tokens: int | None = Field(None, gt=0)
 
 
 class MediaUrls(_Strict):
