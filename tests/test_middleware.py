@@ -244,6 +244,15 @@ def test_websocket_and_lifespan_pass_through():
     assert started == [True]
 
 
+def test_fetcher_connections_close_with_the_app():
+    inner = Starlette(routes=[Route("/v1/models", plain)])
+    gate = ModalGate(inner, policy=None)
+    with TestClient(gate) as client:
+        assert client.get("/v1/models").text == "GET /v1/models"
+        assert not gate.media.fetcher.is_closed
+    assert gate.media.fetcher.is_closed
+
+
 def test_disconnect_still_delivered_after_replay():
     seen: list[str] = []
 

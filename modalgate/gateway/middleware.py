@@ -68,6 +68,9 @@ class ModalGate:
         return self.matcher.mode
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, self._closing_on_shutdown(send))
+            return
         if (
             scope["type"] != "http"
             or scope["method"] != "POST"
@@ -76,6 +79,16 @@ class ModalGate:
             await self.app(scope, receive, send)
             return
         await _GatedRequest(self, self.matcher, self.media, self.read_cap)(scope, receive, send)
+
+    def _closing_on_shutdown(self, send: Send) -> Send:
+        """Close the fetcher's connections when the app reports its shutdown done."""
+
+        async def wrapped(message: Message) -> None:
+            if message["type"] == "lifespan.shutdown.complete":
+                await self.media.aclose()
+            await send(message)
+
+        return wrapped
 
     async def run_cpu(self, size: int, function: Callable[..., T], *args: object) -> T:
         """Small work inline; big work in a worker thread behind the gate's own limiter."""

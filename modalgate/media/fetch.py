@@ -146,6 +146,10 @@ class MediaFetcher:
     async def aclose(self) -> None:
         await self._client.aclose()
 
+    @property
+    def is_closed(self) -> bool:
+        return self._client.is_closed
+
     async def _fetch(self, url: str, max_bytes: int, modality: str) -> Fetched:
         current = url
         for _hop in range(self.rules.max_redirects + 1):
