@@ -7,6 +7,7 @@ and the problem, so ``modalgate check`` and ``serve`` can print it as is.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from importlib import resources
 from os import PathLike
@@ -104,9 +105,18 @@ def _parse_document(text: str, fmt: str, source: str) -> Any:
     raise PolicyError(source, [("", f"unknown policy format {fmt!r}")])
 
 
+_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 def _problems(exc: ValidationError) -> list[tuple[str, str]]:
-    problems = []
+    """Field paths as a user wrote them: pydantic's union and validator names are dropped."""
+    problems: list[tuple[str, str]] = []
     for error in exc.errors(include_url=False, include_input=False):
-        loc = [part for part in error["loc"] if not str(part).startswith("function-")]
-        problems.append((param_path(*loc), error["msg"]))
+        loc = [p for p in error["loc"] if isinstance(p, int) or _FIELD_NAME.fullmatch(p)]
+        if error["type"] == "duplicate_rule":
+            loc += [error["ctx"]["index"], "name"]
+        message = error["msg"].removeprefix("Value error, ").replace("valid tuple", "list")
+        problem = (param_path(*loc), message)
+        if problem not in problems:
+            problems.append(problem)
     return problems

@@ -6,10 +6,10 @@ names the field instead of a limit that silently does not apply.
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, IPvAnyNetwork, field_validator
+from pydantic_core import PydanticCustomError
 
 # Media modalities a rule can accept; text always passes.
 MediaModality = Literal["image", "video", "audio", "file", "embeddings"]
@@ -81,7 +81,7 @@ class MediaUrls(_Strict):
     # Empty: any public host. Entries are exact hosts or globs (``*.example.com``).
     allow_hosts: tuple[str, ...] = ()
     # Private, loopback, link-local... addresses stay refused unless listed here.
-    allow_private: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    allow_private: tuple[IPvAnyNetwork, ...] = ()
     file_roots: tuple[str, ...] = ()
     fetch_timeout_s: float = Field(5.0, gt=0)
     max_redirects: int = Field(3, ge=0)
@@ -117,13 +117,18 @@ class Policy(_Strict):
     media_urls: MediaUrls = MediaUrls()
     models: tuple[ModelRule, ...] = ()
 
-    @model_validator(mode="after")
-    def _unique_names_per_mode(self) -> Policy:
+    @field_validator("models")
+    @classmethod
+    def _unique_names_per_mode(cls, models: tuple[ModelRule, ...]) -> tuple[ModelRule, ...]:
         seen: set[tuple[str, str | None]] = set()
-        for rule in self.models:
+        for index, rule in enumerate(models):
             key = (rule.name.lower(), rule.mode)
             if key in seen:
                 where = f" in mode {rule.mode!r}" if rule.mode else ""
-                raise ValueError(f"duplicate model rule name {rule.name!r}{where}")
+                raise PydanticCustomError(
+                    "duplicate_rule",
+                    "duplicate model rule name '{name}'{where}",
+                    {"name": rule.name, "where": where, "index": index},
+                )
             seen.add(key)
-        return self
+        return models

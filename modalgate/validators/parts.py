@@ -145,7 +145,8 @@ def read_part(
             url, url_param = value, key_param
             media.holder, media.key = part, kind.key
         if not isinstance(url, str):
-            return _bad("must be an object with a string 'url'", url_param)
+            problem = "must be a string" if isinstance(value, dict) else "must be an object"
+            return _bad(f"{problem} (a URL or a data URL)", url_param)
         return _with_url(media, url, url_param)
     if kind.shape == "input_image":
         detail = part.get("detail")
