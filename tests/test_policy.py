@@ -695,3 +695,50 @@ def test_policy_doc_names_every_field() -> None:
     ]
     missing = [field for field in fields if f"`{field}`" not in text]
     assert missing == []
+
+
+def test_extends_builtin_merges_settings_and_replaces_rules_by_name(tmp_path):
+    file = tmp_path / "site.yaml"
+    file.write_text(
+        """
+extends: builtin
+unknown_models: reject
+limits: {max_images: 8}
+media_urls: {schemes: [data, https, http]}
+models:
+  - name: qwen2.5-vl
+    match: ["qwen2.5-vl", "Qwen/Qwen2.5-VL-*"]
+    accepts: [image, video, embeddings]
+  - name: my-vlm
+    match: ["acme/my-vlm-*"]
+    accepts: [image]
+""",
+        "utf-8",
+    )
+    policy = load_policy(file)
+    builtin = load_policy()
+    assert policy.unknown_models == "reject"
+    assert policy.limits.max_images == 8
+    assert policy.limits.max_image_bytes == builtin.limits.max_image_bytes
+    assert policy.media_urls.schemes == ("data", "https", "http")
+    assert policy.media_urls.max_redirects == builtin.media_urls.max_redirects
+    assert len(policy.models) == len(builtin.models) + 1
+    matcher = RuleMatcher(policy, None)
+    assert matcher.resolve("Qwen/Qwen2.5-VL-7B-Instruct").accepts == {
+        "image",
+        "video",
+        "embeddings",
+    }
+    assert matcher.resolve("acme/my-vlm-2").name == "my-vlm"
+    assert matcher.resolve("kimi-k3").name == "kimi-k3"
+    assert RuleMatcher(policy, "encoder").resolve("kimi-k3").message == (
+        "Kimi-K3 encoder mode supports image input only"
+    )
+
+
+def test_extends_builtin_errors_point_at_the_files_own_rules(tmp_path):
+    file = tmp_path / "site.yaml"
+    file.write_text("extends: builtin\nmodels:\n  - {name: x, accepts: [smell]}\n", "utf-8")
+    with pytest.raises(PolicyError) as caught:
+        load_policy(file)
+    assert "models.[0].accepts.[0]" in str(caught.value)

@@ -43,8 +43,7 @@ class PolicyError(Exception):
 def load_policy(source: str | PathLike[str] | None = None) -> Policy:
     """Load a policy file; ``None`` gives the built-in table."""
     if source is None:
-        text = resources.files("modalgate.policy").joinpath(BUILTIN_NAME).read_text("utf-8")
-        return parse_policy(text, fmt="yaml", source=f"<builtin {BUILTIN_NAME}>")
+        return parse_policy(_builtin_text(), fmt="yaml", source=f"<builtin {BUILTIN_NAME}>")
     file = Path(source)
     try:
         text = file.read_text("utf-8")
@@ -62,10 +61,38 @@ def parse_policy(text: str, *, fmt: str, source: str = "<policy>") -> Policy:
         data = {}
     if not isinstance(data, dict):
         raise PolicyError(source, [("", "the top level must be a mapping of settings")])
+    if data.get("extends") == "builtin":
+        data = _on_top_of_builtin(data)
     try:
         return Policy.model_validate(data)
     except ValidationError as exc:
         raise PolicyError(source, _problems(exc)) from None
+
+
+def _builtin_text() -> str:
+    return resources.files("modalgate.policy").joinpath(BUILTIN_NAME).read_text("utf-8")
+
+
+def _on_top_of_builtin(own: dict[str, Any]) -> dict[str, Any]:
+    """``extends: builtin``: settings merge field by field; a rule replaces the built-in
+    rule of the same name and mode; the file's own rules come first (they win ties)."""
+    base = yaml.safe_load(_builtin_text())
+    merged = {**base, **own}
+    for section in ("limits", "media_urls"):
+        if isinstance(own.get(section), dict):
+            merged[section] = {**base.get(section, {}), **own[section]}
+    rules = own.get("models") or []
+    if isinstance(rules, list):
+        replaced = {_rule_key(rule) for rule in rules}
+        kept = [rule for rule in base.get("models", []) if _rule_key(rule) not in replaced]
+        merged["models"] = [*rules, *kept]
+    return merged
+
+
+def _rule_key(rule: Any) -> tuple[str, Any] | None:
+    if isinstance(rule, dict) and isinstance(rule.get("name"), str):
+        return rule["name"].lower(), rule.get("mode")
+    return None
 
 
 def policy_json_schema() -> dict[str, Any]:

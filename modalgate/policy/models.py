@@ -111,6 +111,8 @@ class ModelRule(_Strict):
 
 
 class Policy(_Strict):
+    # "builtin": this file is applied on top of the built-in table (see loading).
+    extends: Literal["builtin"] | None = None
     unknown_models: Literal["allow", "reject"] = "allow"
     limits: Limits = Limits()
     media_roles: tuple[Role, ...] = ("user",)

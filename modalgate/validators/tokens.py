@@ -97,7 +97,7 @@ def qwen_smart_resize_tokens(width: int, height: int, spec: TokenSpec) -> int:
     max_pixels = spec.max_pixels or QWEN_MAX_PIXELS
     factor = patch * merge
 
-    if max(height, width) / min(height, width) >= QWEN_MAX_ASPECT:
+    if max(height, width) / min(height, width) > QWEN_MAX_ASPECT:
         raise TokenEstimateError(f"image aspect ratio must be at most {QWEN_MAX_ASPECT}:1")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
@@ -108,7 +108,7 @@ def qwen_smart_resize_tokens(width: int, height: int, spec: TokenSpec) -> int:
     elif h_bar * w_bar < min_pixels:
         beta = math.sqrt(min_pixels / (height * width))
         h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
+        w_bar = math.ceil(width / factor * beta) * factor
     return (h_bar // factor) * (w_bar // factor)
 
 
