@@ -31,6 +31,7 @@ class ErrorCode(str, Enum):
     ANIMATED_IMAGE = "animated_image"
     IMAGE_TOO_LARGE = "image_too_large"
     IMAGE_TOO_SMALL = "image_too_small"
+    UNSUPPORTED_IMAGE_SHAPE = "unsupported_image_shape"
     TOO_MANY_IMAGE_TOKENS = "too_many_image_tokens"
     URL_NOT_ALLOWED = "url_not_allowed"
     MEDIA_FETCH_FAILED = "media_fetch_failed"
@@ -59,6 +60,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.ANIMATED_IMAGE: 400,
     ErrorCode.IMAGE_TOO_LARGE: 400,
     ErrorCode.IMAGE_TOO_SMALL: 400,
+    ErrorCode.UNSUPPORTED_IMAGE_SHAPE: 400,
     ErrorCode.TOO_MANY_IMAGE_TOKENS: 400,
     ErrorCode.URL_NOT_ALLOWED: 400,
     ErrorCode.MEDIA_FETCH_FAILED: 400,

@@ -37,8 +37,14 @@ def parse_data_url(url: str) -> DataUrl | None:
     return DataUrl(mime=fields[0].lower(), is_base64=is_base64, payload=url[comma + 1 :])
 
 
-def decoded_size(payload: str) -> int:
-    """Bytes the payload decodes to, from its length alone (exact for valid base64)."""
+def decoded_size(payload: str, *, wrapped: bool = False) -> int:
+    """Bytes the payload decodes to, from its length alone (exact for valid base64).
+
+    ``wrapped`` discounts line breaks and spaces first: a scan, so callers ask
+    for it only when the fast answer is over a limit.
+    """
+    if wrapped:
+        payload = _WHITESPACE.sub("", payload)
     n = len(payload)
     padding = 2 if payload.endswith("==") else 1 if payload.endswith("=") else 0
     return n // 4 * 3 - padding + (n % 4 * 3 // 4)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageOps
 
-from modalgate.media.pillow import PLUGINS, is_truncated, open_image
+from modalgate.media.pillow import PLUGINS, is_truncated, open_image, quiet_pillow
 from modalgate.media.sniff import sniff
 
 Color = tuple[int, int, int]
@@ -41,7 +41,8 @@ def decode_image(data: bytes, options: DecodeOptions = DecodeOptions()) -> Image
     if is_truncated(data, sniffed.format):  # whatever LOAD_TRUNCATED_IMAGES says
         raise DecodeError(f"the {sniffed.format.upper()} data is truncated")
     try:
-        image = open_image(data, sniffed.format)
+        with quiet_pillow():
+            image = open_image(data, sniffed.format)
         width, height = image.size
         if width * height > options.max_pixels:
             raise DecodeError(

@@ -8,9 +8,11 @@ magic bytes named, which reads the header and touches no pixel data.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from PIL import (
     BmpImagePlugin,
@@ -41,14 +43,28 @@ _PNG_IEND = b"IEND\xaeB`\x82"
 _JPEG_EOI = b"\xff\xd9"
 
 
+# catch_warnings swaps process-wide state; two threads interleaving it could leave
+# warnings off for good, so header reads that silence Pillow take turns.
+_QUIET = threading.Lock()
+
+
+@contextlib.contextmanager
+def quiet_pillow() -> Iterator[None]:
+    """Silence Pillow's warnings about hostile headers ("Corrupt EXIF data") while reading one.
+
+    Hold it only for header work (microseconds): it serialises its holders.
+    """
+    with _QUIET, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
 def open_image(data: bytes, fmt: str) -> ImageFile.ImageFile:
     """The image object (header read, pixels not); raises whatever the plugin raises."""
     plugin = PLUGINS.get(fmt)
     if plugin is None:
         raise KeyError(fmt)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return plugin(io.BytesIO(data))
+    return plugin(io.BytesIO(data))
 
 
 def is_truncated(data: bytes, fmt: str) -> bool:

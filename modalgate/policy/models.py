@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, IPvAnyNetwork, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    IPvAnyNetwork,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 # Media modalities a rule can accept; text always passes.
@@ -74,6 +81,14 @@ class TokenSpec(_Strict):
     tokens_per_image: int | None = Field(None, gt=0)
     tile_size: int | None = Field(None, gt=0)
     max_tiles: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _fixed_needs_a_count(self) -> TokenSpec:
+        if self.family == "fixed" and self.tokens_per_image is None:
+            raise PydanticCustomError(
+                "missing_tokens_per_image", "family 'fixed' needs tokens_per_image"
+            )
+        return self
 
 
 class MediaUrls(_Strict):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from modalgate.media.pillow import PLUGINS, is_truncated, open_image
+from modalgate.media.pillow import PLUGINS, is_truncated, open_image, quiet_pillow
 
 
 class ImageProbeError(ValueError):
@@ -31,9 +31,10 @@ def probe_image(data: bytes, fmt: str) -> ImageFacts:
     if is_truncated(data, fmt):
         raise ImageProbeError(f"the {fmt.upper()} data is truncated")
     try:
-        image = open_image(data, fmt)
-        width, height = image.size
-        frames = int(getattr(image, "n_frames", 1) or 1)
+        with quiet_pillow():
+            image = open_image(data, fmt)
+            width, height = image.size
+            frames = int(getattr(image, "n_frames", 1) or 1)
     except Exception as exc:
         # Header parsers meet hostile bytes here; any failure is the client's bad image.
         raise ImageProbeError(f"the {fmt.upper()} header cannot be read") from exc

@@ -16,6 +16,7 @@ from modalgate.media.urls import url_refusal
 from modalgate.policy.matching import ResolvedRule
 from modalgate.policy.models import MediaUrls
 from modalgate.validators.image_probe import ImageProbeError, probe_image
+from modalgate.validators.tokens import TokenEstimateError, estimate_tokens
 from modalgate.validators.verdict import MediaPart
 
 _GENERIC_MIMES = frozenset({"", "application/octet-stream", "binary/octet-stream"})
@@ -63,6 +64,8 @@ def cheap_violations(part: MediaPart, rule: ResolvedRule, urls: MediaUrls) -> li
                 )
             ]
     part.bytes = decoded_size(part.payload)
+    if part.modality == "image" and part.bytes > rule.limits.max_image_bytes:
+        part.bytes = decoded_size(part.payload, wrapped=True)
     if part.modality == "image" and part.bytes > rule.limits.max_image_bytes:
         return [
             _violation(
@@ -153,4 +156,45 @@ def _image_violations(part: MediaPart, rule: ResolvedRule) -> list[Violation]:
                 f"animated {part.format.upper()} with {facts.frames} frames; send a still image",
             )
         ]
+    return _token_violations(part, rule)
+
+
+def _token_violations(part: MediaPart, rule: ResolvedRule) -> list[Violation]:
+    if rule.tokens is None or part.width is None or part.height is None:
+        return []
+    try:
+        part.tokens = estimate_tokens(part.width, part.height, rule.tokens)
+    except TokenEstimateError as exc:
+        return [_violation(ErrorCode.UNSUPPORTED_IMAGE_SHAPE, part, str(exc))]
+    limit = rule.limits.max_image_tokens
+    if part.tokens is not None and limit is not None and part.tokens > limit:
+        return [
+            _violation(
+                ErrorCode.TOO_MANY_IMAGE_TOKENS,
+                part,
+                f"image is {part.width}x{part.height}, {part.tokens} vision tokens; "
+                f"the limit is {limit} per image",
+            )
+        ]
+    return []
+
+
+def budget_violations(parts: list[MediaPart], rule: ResolvedRule) -> list[Violation]:
+    """The request-wide vision-token budget, blaming the image that crosses it."""
+    limit = rule.limits.max_request_image_tokens
+    if limit is None:
+        return []
+    total = 0
+    for part in parts:
+        total += part.tokens or 0
+        if total > limit:
+            grand_total = sum(p.tokens or 0 for p in parts)
+            return [
+                _violation(
+                    ErrorCode.TOO_MANY_IMAGE_TOKENS,
+                    part,
+                    f"the request's images need {grand_total} vision tokens; "
+                    f"the limit is {limit} per request",
+                )
+            ]
     return []

@@ -90,13 +90,19 @@ def part_type_of(part: dict[str, Any], where: str) -> tuple[str, str] | Violatio
     """The part's type and the param to blame for type-level problems."""
     declared = part.get("type")
     if declared is None:
-        for key, inferred in INFERRED_FROM_KEY:
-            if key in part:
-                return inferred, path(where, key)
-        return _bad("content part has no 'type'", path(where, "type"))
+        inferred = next((kind for key, kind in INFERRED_FROM_KEY if key in part), None)
+        if inferred is None:
+            return _bad("content part has no 'type'", path(where, "type"))
+        return _known_part_type(part, inferred, path(where, inferred))
     type_param = path(where, "type")
     if not isinstance(declared, str):
         return _bad("'type' must be a string", type_param)
+    return _known_part_type(part, declared, type_param)
+
+
+def _known_part_type(
+    part: dict[str, Any], declared: str, type_param: str
+) -> tuple[str, str] | Violation:
     if declared not in PART_KINDS:
         return Violation(
             ErrorCode.UNSUPPORTED_CONTENT_TYPE,
@@ -113,6 +119,7 @@ def part_type_of(part: dict[str, Any], where: str) -> tuple[str, str] | Violatio
     stray = MEDIA_KEYS.intersection(part).difference((PART_KINDS[declared].key,))
     if stray:
         key = sorted(stray)[0]
+        where = type_param.rsplit(".", 1)[0]
         return _bad(
             f"a {declared!r} part must not also carry {key!r}; send one payload per part",
             path(where, key),

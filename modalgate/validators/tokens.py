@@ -108,12 +108,16 @@ def qwen_smart_resize_tokens(width: int, height: int, spec: TokenSpec) -> int:
     elif h_bar * w_bar < min_pixels:
         beta = math.sqrt(min_pixels / (height * width))
         h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width / factor * beta) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
     return (h_bar // factor) * (w_bar // factor)
 
 
 def fixed_tokens(width: int, height: int, spec: TokenSpec) -> int:
-    """A constant per image (Gemma 3: 256), whatever its size."""
+    """A constant per image, whatever its size (Gemma 3: 256).
+
+    Gemma 3's optional pan-and-scan (off by default in transformers) adds crops
+    of 256 tokens each; a deployment that turns it on is not covered here.
+    """
     if spec.tokens_per_image is None:
         raise ValueError(f"token family {spec.family!r} needs tokens_per_image")
     return spec.tokens_per_image

@@ -31,6 +31,7 @@ class MediaPart:
     height: int | None = None
     frames: int | None = None
     bytes: int | None = None
+    tokens: int | None = None  # estimated vision tokens, where the rule's family has an estimator
     payload_param: str | None = None  # where the URL or base64 sits
     type_param: str | None = None  # where the declared type sits
     data: bytes | None = field(default=None, repr=False)
@@ -63,6 +64,7 @@ class MediaPart:
             "height": self.height,
             "frames": self.frames,
             "bytes": self.bytes,
+            "tokens": self.tokens,
         }
 
 
