@@ -48,7 +48,7 @@ PERMISSIVE = parse_policy(
     """
 unknown_models: reject
 limits:
-  image_formats: [jpeg, png, webp, gif, bmp, tiff, heif, avif, ico]
+  image_formats: [jpeg, png, webp, gif, bmp, tiff, avif, ico]
   allow_animated: true
   min_image_side: 1
   max_images: 4

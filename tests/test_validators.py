@@ -1141,3 +1141,13 @@ def test_input_image_bad_detail(full_matcher):
 def test_input_image_checks_its_bytes(full_matcher):
     part = {"type": "input_image", "image_url": data_url(MP4_BYTES)}
     check(chat(part, model="gpt-4o"), full_matcher, ErrorCode.MODALITY_MISMATCH, f"{P0}.image_url")
+
+
+def test_avif_can_be_opted_in_and_heif_is_refused():
+    m = matcher("limits:\n  image_formats: [png, avif]\n")
+    verdict = accepted(chat(image_part(data_url(image_bytes("AVIF", (40, 30)), "image/avif"))), m)
+    assert (verdict.parts[0].format, verdict.parts[0].width) == ("avif", 40)
+    heif = b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + b"\x00" * 32
+    check(
+        chat(image_part(data_url(heif, "image/heic"))), m, ErrorCode.UNSUPPORTED_IMAGE_FORMAT, URL
+    )

@@ -38,6 +38,12 @@ try:
     PLUGINS["webp"] = WebPImagePlugin.WebPImageFile
 except ImportError:  # pragma: no cover - Pillow built without libwebp
     pass
+try:  # Pillow >= 11.2 built with libavif
+    from PIL import AvifImagePlugin
+
+    PLUGINS["avif"] = AvifImagePlugin.AvifImageFile
+except ImportError:  # pragma: no cover
+    pass
 
 _PNG_IEND = b"IEND\xaeB`\x82"
 _JPEG_EOI = b"\xff\xd9"

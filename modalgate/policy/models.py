@@ -22,7 +22,8 @@ from pydantic_core import PydanticCustomError
 MediaModality = Literal["image", "video", "audio", "file", "embeddings"]
 Modality = Literal["text", "image", "video", "audio", "file", "embeddings"]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
-ImageFormat = Literal["jpeg", "png", "webp", "gif", "bmp", "tiff", "heif", "avif", "ico"]
+# Formats with a header reader in media.pillow (HEIF would need pillow-heif: not offered).
+ImageFormat = Literal["jpeg", "png", "webp", "gif", "bmp", "tiff", "avif", "ico"]
 UrlScheme = Literal["data", "https", "http", "file"]
 
 
