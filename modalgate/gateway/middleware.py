@@ -111,8 +111,7 @@ class _GatedRequest:
         self.read_cap = read_cap
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = _header_map(scope)
-        refusal = _header_refusal(headers, self.read_cap)
+        refusal = _header_refusal(_body_headers(scope), self.read_cap)
         if refusal is not None:
             await send_error(send, [refusal])
             return
@@ -173,8 +172,12 @@ def _with_content_length(scope: Scope, length: int) -> list[tuple[bytes, bytes]]
     return headers
 
 
-def _header_map(scope: Scope) -> dict[bytes, bytes]:
-    return {name.lower(): value for name, value in scope.get("headers", ())}
+_BODY_HEADERS = frozenset({b"content-type", b"content-encoding", b"content-length"})
+
+
+def _body_headers(scope: Scope) -> dict[bytes, bytes]:
+    # ASGI servers send lower-case names; only the three that describe the body matter.
+    return {name: value for name, value in scope["headers"] if name in _BODY_HEADERS}
 
 
 def _header_refusal(headers: dict[bytes, bytes], cap: int) -> Violation | None:

@@ -7,7 +7,6 @@ the server's business and passes untouched.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 from pydantic_core import from_json
@@ -83,8 +82,9 @@ def validate_request(
         return verdict
 
     _walk_messages(messages, rule, verdict)
-    if not verdict.violations:
-        _check_counts(rule, verdict)
+    if verdict.violations or not verdict.parts:
+        return verdict  # refused, or text only: nothing more to check
+    _check_counts(rule, verdict)
     if not verdict.violations:
         for part in verdict.parts:
             verdict.violations.extend(cheap_violations(part, rule, matcher.policy.media_urls))
@@ -111,36 +111,56 @@ def _walk_messages(messages: list[Any], rule: ResolvedRule, verdict: Verdict) ->
     for i, message in enumerate(messages):
         if len(violations) >= MAX_LISTED_VIOLATIONS:
             return
-        where = path("messages", i)
-        if not isinstance(message, dict):
-            violations.append(_invalid("each message must be an object", where))
+        # The common case first, before any param path is built: plain text content.
+        if (
+            isinstance(message, dict)
+            and isinstance(message.get("content"), str)
+            and isinstance(message.get("role"), str)
+        ):
             continue
-        role = message.get("role")
-        if not isinstance(role, str):
-            violations.append(_invalid("'role' must be a string", path(where, "role")))
-            continue
-        content = message.get("content")
-        if content is None or isinstance(content, str):
-            if content is None and role in ("user", "system", "developer"):
-                violations.append(_invalid("'content' is required", path(where, "content")))
-            continue
-        if not isinstance(content, list):
-            violations.append(
-                _invalid(
-                    "'content' must be a string or an array of content parts",
-                    path(where, "content"),
-                )
+        _walk_message(message, path("messages", i), rule, verdict)
+
+
+def _walk_message(message: Any, where: str, rule: ResolvedRule, verdict: Verdict) -> None:
+    violations = verdict.violations
+    if not isinstance(message, dict):
+        violations.append(_invalid("each message must be an object", where))
+        return
+    role = message.get("role")
+    if not isinstance(role, str):
+        violations.append(_invalid("'role' must be a string", path(where, "role")))
+        return
+    content = message.get("content")
+    if content is None:
+        if role in ("user", "system", "developer"):
+            violations.append(_invalid("'content' is required", path(where, "content")))
+        return
+    if not isinstance(content, list):
+        violations.append(
+            _invalid(
+                "'content' must be a string or an array of content parts",
+                path(where, "content"),
             )
+        )
+        return
+    if not content and role == "user":
+        violations.append(_invalid("'content' must not be an empty array", path(where, "content")))
+        return
+    for j, part in enumerate(content):
+        if _is_plain_text(part):
             continue
-        if not content and role == "user":
-            violations.append(
-                _invalid("'content' must not be an empty array", path(where, "content"))
-            )
-            continue
-        for j, part in enumerate(content):
-            _read_part(part, path(where, "content", j), role, rule, verdict)
-            if len(violations) >= MAX_LISTED_VIOLATIONS:
-                return
+        _read_part(part, path(where, "content", j), role, rule, verdict)
+        if len(violations) >= MAX_LISTED_VIOLATIONS:
+            return
+
+
+def _is_plain_text(part: Any) -> bool:
+    return (
+        isinstance(part, dict)
+        and len(part) == 2
+        and part.get("type") == "text"
+        and isinstance(part.get("text"), str)
+    )
 
 
 def _read_part(part: Any, where: str, role: str, rule: ResolvedRule, verdict: Verdict) -> None:
@@ -192,11 +212,11 @@ def _unsupported(part: MediaPart, rule: ResolvedRule, verdict: Verdict) -> Viola
 
 
 def _check_counts(rule: ResolvedRule, verdict: Verdict) -> None:
-    seen: Counter[str] = Counter()
+    seen: dict[str, int] = {}
     for part in verdict.parts:
-        seen[part.modality] += 1
+        count = seen[part.modality] = seen.get(part.modality, 0) + 1
         limit = rule.limits.max_count(part.modality)
-        if limit is not None and seen[part.modality] == limit + 1:
+        if limit is not None and count == limit + 1:
             total = sum(1 for p in verdict.parts if p.modality == part.modality)
             name = _NAMES[part.modality]
             verdict.violations.append(
