@@ -184,6 +184,10 @@ def test_refusals(media, forbidden, path, code, words):
         "240.0.0.1",
         "localhost",
         "foo.localhost",
+        "LOCALHOST.",
+        "127。0。0。2",
+        "１２７.０.０.２",
+        "ⓛⓞⓒⓐⓛⓗⓞⓢⓣ",
     ],
 )
 def test_every_form_of_a_refused_address(forbidden, host):
@@ -336,3 +340,16 @@ def test_file_urls_only_inside_roots(tmp_path):
     assert refusal("file:///etc/passwd", rules).code is ErrorCode.URL_NOT_ALLOWED
     no_roots = _rules(schemes=("file",))
     assert refusal(f"file://{root}/a.png", no_roots).code is ErrorCode.URL_NOT_ALLOWED
+
+
+def test_idna_hosts_are_resolved_and_connected_in_their_ascii_form(media):
+    port = media.server_address[1]
+    asked = []
+
+    async def resolver(host: str, port: int) -> list[str]:
+        asked.append(host)
+        return ["127.0.0.1"]
+
+    assert fetch(f"http://bücher.test:{port}/a.png", resolver=resolver).data == PNG
+    assert asked == ["xn--bcher-kva.test"]
+    assert media.hosts[-1] == f"xn--bcher-kva.test:{port}"
