@@ -18,7 +18,7 @@ import anyio.to_thread
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, payload_too_large
-from modalgate.gateway.media import MediaStage
+from modalgate.gateway.remote_media import MediaStage
 from modalgate.gateway.responses import send_error
 from modalgate.policy import Policy, RuleMatcher, load_policy
 from modalgate.validators import Verdict, validate_body
