@@ -136,6 +136,20 @@ def interleaved(
 # ---------------------------------------------------------------- reporting
 
 
+def print_rounds(result: Rounds, label_a: str, label_b: str, elapsed: float) -> None:
+    """The per-round table and the median line every side-by-side benchmark prints."""
+    rows = [
+        (i + 1, a * 1e3, b * 1e3, r)
+        for i, (a, b, r) in enumerate(zip(result.a, result.b, result.ratios, strict=True))
+    ]
+    print(table(("round", f"{label_a} ms", f"{label_b} ms", "ratio"), rows))
+    print(
+        f"median: {label_a} {statistics.median(result.a) * 1e3:.1f} ms, "
+        f"{label_b} {statistics.median(result.b) * 1e3:.1f} ms; "
+        f"ratio {result.ratio:.2f} (spread {spread(result.ratios)}), {elapsed:.1f} s"
+    )
+
+
 def machine_line() -> str:
     """Interpreter, cores, and the load average: other work on the machine skews every number."""
     cores = os.cpu_count()

@@ -20,7 +20,6 @@ import argparse
 import base64
 import binascii
 import io
-import statistics
 import time
 from typing import Annotated, Literal
 
@@ -31,8 +30,8 @@ from _common import (
     describe_body,
     interleaved,
     machine_line,
+    print_rounds,
     result_line,
-    spread,
     table,
     time_call,
 )
@@ -258,16 +257,7 @@ def main() -> None:
     )
     elapsed = time.perf_counter() - start
 
-    rows = [
-        (i + 1, a * 1e3, b * 1e3, r)
-        for i, (a, b, r) in enumerate(zip(result.a, result.b, result.ratios, strict=True))
-    ]
-    print(table(("round", "naive ms", "modalgate ms", "ratio"), rows))
-    print(
-        f"median: naive {statistics.median(result.a) * 1e3:.1f} ms, "
-        f"modalgate {statistics.median(result.b) * 1e3:.1f} ms; "
-        f"ratio {result.ratio:.2f} (spread {spread(result.ratios)}), {elapsed:.1f} s"
-    )
+    print_rounds(result, "naive", "modalgate", elapsed)
     print("\nnaive validator, one run by stage:")
     print(table(("stage", "ms"), [(label, t * 1e3) for label, t in naive_breakdown(body)]))
     print(result_line(NAME, result.ratio, f">={TARGET:g}", result.ratio >= TARGET))
