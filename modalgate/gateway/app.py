@@ -2,11 +2,14 @@
 
 Until the upstream proxy lands, the gateway answers the chat paths itself: an
 accepted request gets its verdict (200), a refused one the error (4xx) that
-ModalGate sends before this app ever sees it.
+ModalGate sends before this app ever sees it. With an encoder adapter it also
+serves ``POST /v1/encode`` (the encoder of an Encode/Prefill/Decode split).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from os import PathLike
 
 from starlette.applications import Starlette
@@ -15,6 +18,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
+from modalgate.encoder_adapter import EncoderAdapter
+from modalgate.gateway.encode import ENCODE_PATH, encode_endpoint
 from modalgate.gateway.middleware import DEFAULT_PATHS, ModalGate, get_verdict
 from modalgate.gateway.responses import json_bytes
 from modalgate.policy import Policy
@@ -34,13 +39,27 @@ async def _healthz(request: Request) -> Response:
 
 
 def create_app(
-    policy: Policy | str | PathLike[str] | None = None, mode: str | None = None
+    policy: Policy | str | PathLike[str] | None = None,
+    mode: str | None = None,
+    encoder: EncoderAdapter | None = None,
 ) -> ASGIApp:
-    paths = (VALIDATE_PATH, *DEFAULT_PATHS)
-    inner = Starlette(
-        routes=[
-            *(Route(p, _verdict, methods=["POST"]) for p in paths),
-            Route("/healthz", _healthz, methods=["GET"]),
-        ]
+    paths = [VALIDATE_PATH, *DEFAULT_PATHS]
+    routes = [Route(p, _verdict, methods=["POST"]) for p in paths]
+    routes.append(Route("/healthz", _healthz, methods=["GET"]))
+    if encoder is not None:
+        routes.append(Route(ENCODE_PATH, encode_endpoint(encoder), methods=["POST"]))
+        paths.append(ENCODE_PATH)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if encoder is not None:
+            await encoder.warmup()
+        try:
+            yield
+        finally:
+            if encoder is not None:
+                await encoder.close()
+
+    return ModalGate(
+        Starlette(routes=routes, lifespan=lifespan), policy=policy, mode=mode, paths=paths
     )
-    return ModalGate(inner, policy=policy, mode=mode, paths=paths)

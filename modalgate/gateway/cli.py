@@ -40,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--log-level", default="info", help="uvicorn log level")
+    serve.add_argument(
+        "--encoder",
+        metavar="NAME[:ARG]",
+        help="serve POST /v1/encode with this encoder adapter, e.g. kimi:/models/kimi-vit",
+    )
     serve.set_defaults(run=_serve)
 
     validate = commands.add_parser(
@@ -79,7 +84,16 @@ def _serve(args: argparse.Namespace) -> int:
     policy = _load(args)
     if policy is None:
         return EXIT_USAGE
-    app = create_app(policy=policy, mode=args.mode)
+    encoder = None
+    if args.encoder:
+        from modalgate.encoder_adapter import create_encoder
+
+        try:
+            encoder = create_encoder(args.encoder)
+        except (LookupError, ValueError, OSError) as exc:
+            print(f"--encoder {args.encoder}: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    app = create_app(policy=policy, mode=args.mode, encoder=encoder)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return EXIT_OK
 
