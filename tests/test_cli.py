@@ -13,7 +13,18 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import MP4_BYTES, body, chat, data_url, free_port, image_bytes, image_part
+from conftest import (
+    MP4_BYTES,
+    Recorder,
+    body,
+    chat,
+    data_url,
+    free_port,
+    image_bytes,
+    image_part,
+    send_body,
+    start_server,
+)
 from modalgate.policy import policy_json_schema
 
 _SCRIPT = Path(sys.executable).with_name("modalgate")
@@ -389,3 +400,32 @@ def test_serve_validate_invalid_json(server: str) -> None:
     )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "invalid_json"
+
+
+def test_validate_fetch_downloads_and_checks_remote_media(tmp_path):
+    png = image_bytes("PNG", (100, 60))
+    server = start_server(Recorder(("127.0.0.1", 0), {"/a.png": lambda h: send_body(h, png)}))
+    try:
+        policy = tmp_path / "p.yaml"
+        policy.write_text(
+            "extends: builtin\n"
+            "media_urls: {schemes: [data, https, http], allow_private: ['127.0.0.1/32']}\n"
+        )
+        request = tmp_path / "r.json"
+        request.write_bytes(body(chat(image_part(server.base + "/a.png"), model="qwen2.5-vl")))
+        plain = run("validate", str(request), "--policy", str(policy))
+        assert plain.returncode == 0
+        assert json.loads(plain.stdout)["media"][0]["width"] is None
+        assert server.connections == []
+        fetched = run("validate", str(request), "--policy", str(policy), "--fetch")
+        assert fetched.returncode == 0, fetched.stdout + fetched.stderr
+        [part] = json.loads(fetched.stdout)["media"]
+        assert (part["format"], part["width"], part["height"], part["tokens"]) == (
+            "png",
+            100,
+            60,
+            8,
+        )
+        assert len(server.connections) == 1
+    finally:
+        server.shutdown()

@@ -14,7 +14,7 @@ import orjson
 
 from modalgate.errors import error_body
 from modalgate.policy import Policy, PolicyError, RuleMatcher, load_policy, policy_json_schema
-from modalgate.validators import validate_body
+from modalgate.validators import Verdict, validate_body
 
 EXIT_OK, EXIT_REJECTED, EXIT_USAGE = 0, 1, 2
 
@@ -51,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
         "validate", help="check one request body; exit 0 accepted, 1 rejected"
     )
     validate.add_argument("request", help="request JSON file, or - for stdin")
+    validate.add_argument(
+        "--fetch",
+        action="store_true",
+        help="also download remote media (under the policy's media_urls rules) and check it",
+    )
     _policy_args(validate)
     validate.set_defaults(run=_validate)
 
@@ -112,11 +117,29 @@ def _validate(args: argparse.Namespace) -> int:
         print(f"{args.request}: cannot read ({exc.strerror})", file=sys.stderr)
         return EXIT_USAGE
     verdict = validate_body(body, RuleMatcher(policy, args.mode))
+    if args.fetch and verdict.accepted and verdict.remote_parts:
+        verdict = _fetched(verdict, policy)
     if verdict.accepted:
         _print_json(verdict.to_dict())
         return EXIT_OK
     _print_json(error_body(verdict.violations))
     return EXIT_REJECTED
+
+
+def _fetched(verdict: Verdict, policy: Policy) -> Verdict:
+    import anyio
+
+    from modalgate.gateway.remote_media import MediaStage
+
+    async def fetch() -> None:
+        stage = MediaStage(policy.media_urls)
+        try:
+            await stage.fetch(verdict)
+        finally:
+            await stage.aclose()
+
+    anyio.run(fetch)
+    return verdict
 
 
 def _check(args: argparse.Namespace) -> int:
