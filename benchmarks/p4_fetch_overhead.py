@@ -20,6 +20,10 @@ call is a batch of fetches; per round the median of the reps of each.
 Ratio = fetcher time / plain httpx time, per variant. Target: <= 1.25 for every
 variant; the RESULT line carries the largest of the four medians.
 
+With ``--profile`` (or for a variant that misses the target) both clients are
+run under cProfile and the functions where the fetcher spends more time are
+listed, with httpcore's connection-pool retries per fetch.
+
 Usage: .venv/bin/python benchmarks/p4_fetch_overhead.py [--quick] [--profile]
 """
 
@@ -30,12 +34,14 @@ import asyncio
 import cProfile
 import io
 import ipaddress
+import os
 import pstats
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -45,6 +51,7 @@ from typing import ClassVar
 
 import httpx
 from _common import Rounds, interleaved, machine_line, noise_jpeg, result_line, spread, table
+from httpcore._async import connection_pool
 from PIL import Image, ImageChops
 
 from modalgate.media.addresses import is_forbidden_address, parse_host_address
@@ -108,6 +115,8 @@ def serve(directory: str) -> None:
     ThreadingHTTPServer.request_queue_size = 64
     ThreadingHTTPServer.daemon_threads = True
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    # The parent holds our stdin: when it goes away, for whatever reason, so do we.
+    threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
     print(f"PORT {server.server_address[1]}", flush=True)
     server.serve_forever()
 
@@ -115,6 +124,7 @@ def serve(directory: str) -> None:
 def start_server(directory: str) -> tuple[subprocess.Popen[str], int]:
     process = subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), "--serve", directory],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -209,18 +219,78 @@ def checks_breakdown(url: str, n: int = 2000) -> list[tuple[str, float]]:
     ]
 
 
-def profile(loop: asyncio.AbstractEventLoop, clients: Clients, url: str, n: int) -> None:
-    for label, get in (("fetcher", clients.via_fetcher), ("plain httpx", clients.via_httpx)):
-        profiler = cProfile.Profile()
-        profiler.enable()
-        loop.run_until_complete(batch(get, url, n, 1))
-        profiler.disable()
-        stream = io.StringIO()
-        stats = pstats.Stats(profiler, stream=stream)
-        stats.sort_stats("tottime").print_stats(14)
-        print(f"\ncProfile, {label}, {n} sequential fetches of {url.rsplit('/', 1)[1]}:")
-        body = stream.getvalue()
-        print(body[body.find("   ncalls") :].rstrip())
+def profile_diff(
+    loop: asyncio.AbstractEventLoop, clients: Clients, url: str, variant: Variant, calls: int
+) -> None:
+    """cProfile both clients on one variant; print the functions where the fetcher spends more.
+
+    Also counts httpcore's pool retries: a queued request handed a connection that
+    another request took first raises ``ConnectionNotAvailable`` inside the pool,
+    which clears the assignment and scans the pool again.
+    """
+    pool_request = getattr(connection_pool, "AsyncPoolRequest", None)
+    original = getattr(pool_request, "clear_connection", None)
+    retries = {"n": 0}
+
+    def counting(self: object) -> None:
+        retries["n"] += 1
+        original(self)  # type: ignore[misc]
+
+    n = variant.fetches * calls
+    per_fetch: dict[str, dict[tuple, tuple[float, float]]] = {}
+    retry_rate: dict[str, float] = {}
+    if original is not None:
+        pool_request.clear_connection = counting  # type: ignore[union-attr]
+    try:
+        for label, get in (("fetcher", clients.via_fetcher), ("httpx", clients.via_httpx)):
+            retries["n"] = 0
+            profiler = cProfile.Profile(time.process_time)
+            profiler.enable()
+            for _ in range(calls):
+                loop.run_until_complete(batch(get, url, variant.fetches, variant.inflight))
+            profiler.disable()
+            retry_rate[label] = retries["n"] / n
+            stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+            per_fetch[label] = {k: (v[1] / n, v[2] / n * 1e6) for k, v in stats.items()}
+    finally:
+        if original is not None:
+            pool_request.clear_connection = original  # type: ignore[union-attr]
+
+    fetcher, plain = per_fetch["fetcher"], per_fetch["httpx"]
+    zero = (0.0, 0.0)
+    extra = sorted(
+        fetcher.keys() | plain.keys(),
+        key=lambda k: plain.get(k, zero)[1] - fetcher.get(k, zero)[1],
+    )
+    rows = [
+        (
+            _where(k),
+            fetcher.get(k, zero)[1] - plain.get(k, zero)[1],
+            fetcher.get(k, zero)[0],
+            plain.get(k, zero)[0],
+        )
+        for k in extra[:12]
+    ]
+    total = sum(t for _, t in fetcher.values()) - sum(t for _, t in plain.values())
+    print(
+        f"\ncProfile, {variant.name}: own time the fetcher spends beyond plain httpx, "
+        f"µs per fetch under the profiler (total {total:+.0f}), and calls per fetch"
+    )
+    print(table(("function", "extra µs", "calls fetcher", "calls httpx"), rows))
+    if original is not None:
+        print(
+            "httpcore pool retries (ConnectionNotAvailable) per fetch: "
+            f"fetcher {retry_rate['fetcher']:.2f}, plain httpx {retry_rate['httpx']:.2f}"
+        )
+
+
+def _where(key: tuple) -> str:
+    filename, line, function = key
+    for marker in ("site-packages/", "modalgate/", "lib/python3."):
+        if marker in filename:
+            filename = filename.split(marker, 1)[1]
+            break
+    return f"{filename}:{line}({function})"[:72]
 
 
 # ---------------------------------------------------------------- the benchmark
@@ -287,9 +357,10 @@ def main() -> None:
 
             print("\nthe fetcher's checks before connecting, in-process (µs per call):")
             print(table(("check", "µs"), checks_breakdown(urls["photo.jpg"])))
-            if args.profile or not passed:
-                for file in media:
-                    profile(loop, clients, urls[file], 200 if args.quick else 400)
+            for variant in variants:
+                if args.profile or results[variant.name].ratio > TARGET:
+                    url = urls[variant.file]
+                    profile_diff(loop, clients, url, variant, 1 if args.quick else 4)
             loop.run_until_complete(clients.fetcher.aclose())
             loop.run_until_complete(clients.plain.aclose())
         finally:

@@ -35,6 +35,7 @@ class KimiEncoderAdapter:
         batch: BatchSettings | None = None,
         cache_bytes: int = 256 * 1024 * 1024,
         decode_workers: int = 2,
+        max_pixels: int = DecodeOptions.max_pixels,
     ) -> None:
         from modalgate.encoder_adapter.kimi import KimiPreprocessor
         from modalgate.encoder_adapter.transformers_encoder import TransformersVisionEncoder
@@ -47,59 +48,57 @@ class KimiEncoderAdapter:
         self._merge = int(settings.get("merge_size", 2))
         self._settings_key = self.preprocessor.settings_key()
         self.cache = EmbeddingCache(cache_bytes)
-        self.decoder = DecodePool(decode_workers, DecodeOptions(max_pixels=2**31 - 1))
+        # The gate has enforced the policy's pixel limit; this one guards direct use.
+        self.decoder = DecodePool(decode_workers, DecodeOptions(max_pixels=max_pixels))
         self.batcher: MicroBatcher[Image.Image, Output] = MicroBatcher(
             self._run_batch, batch, cost=self._patches
         )
 
     async def encode(self, images: Sequence[bytes]) -> list[Encoded]:
         results: list[Encoded | None] = [None] * len(images)
-        keys = [content_key(data, self._settings_key) for data in images]
-        misses = []
-        for index, key in enumerate(keys):
+        misses: dict[str, list[int]] = {}  # one encode per distinct image in the request
+        for index, data in enumerate(images):
+            key = content_key(data, self._settings_key)
             hit = self.cache.get(key)
             if hit is not None:
                 results[index] = Encoded(embedding=hit[0], grid_thw=hit[1], cached=True)
             else:
-                misses.append(index)
+                misses.setdefault(key, []).append(index)
         if misses and self.batcher.queue_depth + len(misses) > self.batcher.settings.max_queue:
             raise Overloaded(self.batcher.retry_after())
-        decoded = await self.decoder.decode_many([images[i] for i in misses])
-        await asyncio.gather(
-            *(
-                self._encode_one(i, keys[i], image, results)
-                for i, image in zip(misses, decoded, strict=True)
-            )
+        decoded = await self.decoder.decode_many([images[i[0]] for i in misses.values()])
+        encoded = await asyncio.gather(
+            *(self._encode_one(key, image) for key, image in zip(misses, decoded, strict=True))
         )
+        for indices, result in zip(misses.values(), encoded, strict=True):
+            for index in indices:
+                results[index] = result
         return [r if r is not None else Encoded(error=_failed()) for r in results]
 
     async def warmup(self) -> None:
-        await self.batcher.submit(Image.new("RGB", (28, 28)))
+        """One forward pass before serving (kernels, allocator): not through the queue, so a
+        queue sized for backpressure never refuses it."""
+        await asyncio.to_thread(self._forward, [Image.new("RGB", (28, 28))])
 
     async def close(self) -> None:
         await self.batcher.close()
         self.decoder.close()
 
-    async def _encode_one(
-        self, index: int, key: str, image: Image.Image | DecodeError, results: list[Encoded | None]
-    ) -> None:
+    async def _encode_one(self, key: str, image: Image.Image | DecodeError) -> Encoded:
         if isinstance(image, DecodeError):
-            results[index] = Encoded(error=Violation(ErrorCode.INVALID_IMAGE, str(image)))
-            return
+            return Encoded(error=Violation(ErrorCode.INVALID_IMAGE, str(image)))
         try:
             embedding, grid = await self.batcher.submit(image)
         except Overloaded:
             raise
         except TimeoutError:
-            results[index] = Encoded(
+            return Encoded(
                 error=Violation(ErrorCode.ENCODER_OVERLOADED, "the encoder did not answer in time")
             )
-            return
         except Exception:
-            results[index] = Encoded(error=_failed())
-            return
+            return Encoded(error=_failed())
         self.cache.put(key, (embedding, grid), embedding.numel() * embedding.element_size())
-        results[index] = Encoded(embedding=embedding, grid_thw=grid)
+        return Encoded(embedding=embedding, grid_thw=grid)
 
     def _patches(self, image: Image.Image) -> int:
         return self.preprocessor.tokens_for(*image.size) * self._merge**2

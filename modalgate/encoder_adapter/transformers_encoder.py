@@ -1,0 +1,593 @@
+"""The local Kimi-K2.5 vision encoder: transformers' modules, our own (vision-only) loading.
+
+``TransformersVisionEncoder`` turns what ``Kimi_K25ImageProcessor`` produces (``pixel_values``
+plus ``image_grid_thw``) into one embedding matrix per image. It reads two kinds of checkpoint
+directory:
+
+* a standalone ``Kimi_K25VisionModel`` (``model_type: kimi_k25_vision``): MoonViT alone, no
+  projector. Each output row is one merged token: the ``kh*kw`` patch features of a merge window
+  concatenated (``pooler_output`` ``[tokens, kh*kw, hidden]`` flattened to
+  ``[tokens, kh*kw*hidden]``), which is exactly what the projector would consume.
+* a full ``Kimi_K25ForConditionalGeneration`` checkpoint (``model_type: kimi_k25``): the
+  vision tower plus ``mm_projector``; each output row is an LM-space embedding
+  (``text_config.hidden_size``), the same as ``get_image_features``. Like SGLang's encoder-only
+  server, we never build the language model: the modules are built on the meta device from the
+  config, and only tensors whose names start with a vision prefix are read from the safetensors
+  shards (the shard index tells which files to open; LM-only shards are never opened).
+
+Why not ``from_pretrained``: for a full checkpoint it would build and read the whole
+language model (a trillion parameters for Kimi-K2.5) to get a 400M-parameter tower. So the
+weight renaming that transformers applies on load (``conversion_mapping.py``, ``kimi_k25``) is
+redone here for the vision keys only. Two layouts exist on disk and both are accepted:
+
+* the original (hub / SGLang) layout, which ``save_pretrained`` also writes back:
+  ``vision_tower.[encoder.]patch_embed.*``, ``vision_tower.encoder.blocks.N.{norm0,norm1,wqkv,wo,
+  mlp.fc0,mlp.fc1}``, ``vision_tower.patch_embed.pos_emb.weight``, ``mm_projector.pre_norm``,
+  ``mm_projector.proj.{0,2}`` (sometimes ``model.``-prefixed). ``wqkv`` is split into q/k/v and
+  q/k are permuted from interleaved (complex) RoPE to transformers' rotate-half layout.
+* transformers' module names: ``[model.]vision_tower.layers.N.attn.q_proj...``,
+  ``[model.]mm_projector.in_proj...`` (what ``safetensors.torch.save_file(model.state_dict())``
+  writes).
+
+``encode`` is synchronous and thread-agnostic: the batching layer calls it from one worker
+thread; it never touches asyncio.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+__all__ = ["EncoderLoadError", "TransformersVisionEncoder"]
+
+_CONFIG_FILE = "config.json"
+_INDEX_FILE = "model.safetensors.index.json"
+_SINGLE_FILE = "model.safetensors"
+_PREPROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+_FULL_MODEL_TYPE = "kimi_k25"
+_VISION_MODEL_TYPE = "kimi_k25_vision"
+
+# Original-layout names, renamed the way transformers' ``conversion_mapping`` does for kimi_k25.
+# The norm/fc pairs shift by one (norm0->norm1, norm1->norm2), so they only apply to a checkpoint
+# recognised as original layout: in transformers' layout ``norm1`` already means the first norm.
+_ORIGINAL_LAYOUT_MARKER = re.compile(r"(^|\.)(wqkv|wo|norm0|mlp\.fc0)\.")
+_ORIGINAL_RENAMES = (
+    (re.compile(r"^layers\.(\d+)\.norm1\."), r"layers.\1.norm2."),
+    (re.compile(r"^layers\.(\d+)\.norm0\."), r"layers.\1.norm1."),
+    (re.compile(r"^layers\.(\d+)\.mlp\.fc1\."), r"layers.\1.mlp.fc2."),
+    (re.compile(r"^layers\.(\d+)\.mlp\.fc0\."), r"layers.\1.mlp.fc1."),
+    (re.compile(r"^layers\.(\d+)\.wo\."), r"layers.\1.attn.proj."),
+)
+_FUSED_QKV = re.compile(r"^layers\.(\d+)\.wqkv\.(weight|bias)$")
+_PROJECTOR_RENAMES = {"proj.0.": "in_proj.", "proj.2.": "out_proj."}
+
+
+class EncoderLoadError(RuntimeError):
+    """The checkpoint directory cannot give a Kimi-K2.5 vision encoder; the message says why.
+
+    Raised at start-up (operator-facing, so it names the path), never while serving a request.
+    """
+
+
+class _KimiVisionPath(nn.Module):
+    """Vision tower plus projector, without the language model: ``get_image_features``'s body.
+
+    Mirrors ``Kimi_K25Model.get_image_features`` (tower -> ``pooler_output`` ``[tokens, k, h]``
+    -> ``mm_projector`` -> ``[tokens, text_hidden]``); the test pins the two to each other.
+    """
+
+    def __init__(self, vision_tower: nn.Module, mm_projector: nn.Module | None) -> None:
+        super().__init__()
+        self.vision_tower = vision_tower
+        self.mm_projector = mm_projector
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        pooled = self.vision_tower(pixel_values, grid_thw=grid_thw).pooler_output
+        if self.mm_projector is None:
+            return pooled.reshape(pooled.shape[0], -1)
+        return self.mm_projector(pooled).squeeze(1)
+
+
+class TransformersVisionEncoder:
+    """Kimi-K2.5 MoonViT (+ projector) loaded from a local directory, ready to ``encode``.
+
+    ``device="auto"`` picks CUDA when available; ``dtype=None`` means bfloat16 on CUDA (what the
+    checkpoints are stored in and what SGLang runs) and float32 elsewhere (CPU bf16 is slow and
+    the tests compare against float32 references).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        device: str | torch.device = "auto",
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self._path = Path(path)
+        self._device = _resolve_device(device)
+        if dtype is None:
+            dtype = torch.bfloat16 if self._device.type == "cuda" else torch.float32
+        self._dtype = dtype
+
+        config = _load_config(self._path)
+        self._config = config
+        is_full = config.model_type == _FULL_MODEL_TYPE
+        vision_config = config.vision_config if is_full else config
+        kernel = tuple(int(k) for k in vision_config.merge_kernel_size)
+        if len(kernel) != 2:
+            raise EncoderLoadError(
+                f"{self._path}: merge_kernel_size must have two entries, got {kernel}"
+            )
+        self._merge_kernel: tuple[int, int] = (kernel[0], kernel[1])
+        self._patch_size = int(vision_config.patch_size)
+
+        module = _build_on_meta(config, is_full)
+        self._checkpoint_keys = self._load_weights(module, is_full)
+        module.eval().requires_grad_(False)
+        self._module = module
+
+        if is_full:
+            self._hidden_size = int(config.text_config.hidden_size)
+        else:
+            self._hidden_size = int(vision_config.hidden_size) * kernel[0] * kernel[1]
+        self._preprocessor = _preprocessor_settings(self._path, config, vision_config)
+        self._check_preprocessor_matches_model()
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of each output row: ``text_config.hidden_size`` with a projector, else
+        ``kh*kw*vision hidden`` (the merged-window features the projector would take)."""
+        return self._hidden_size
+
+    @property
+    def preprocessor_settings(self) -> dict[str, Any]:
+        """patch_size, merge_size, max_patches, max_side (in patches), image_mean, image_std.
+
+        Precedence per field: the checkpoint's preprocessor config (``media_proc_cfg`` of the hub
+        format, or transformers' ``Kimi_K25ImageProcessor`` keys), then the model config, then
+        ``Kimi_K25ImageProcessor``'s defaults. A fresh dict each time, so callers may keep it.
+        """
+        return {
+            key: list(value) if isinstance(value, list) else value
+            for key, value in self._preprocessor.items()
+        }
+
+    @property
+    def device(self) -> torch.device:
+        """Where the forward pass runs."""
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype of the weights (outputs are always float32)."""
+        return self._dtype
+
+    @property
+    def model(self) -> nn.Module:
+        """The loaded module (``vision_tower`` and, for a full checkpoint, ``mm_projector``)."""
+        return self._module
+
+    @property
+    def checkpoint_keys(self) -> tuple[str, ...]:
+        """The checkpoint tensor names that were read: vision tower and projector, nothing else."""
+        return self._checkpoint_keys
+
+    # ------------------------------------------------------------------ encoding
+
+    def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """Synchronous: one forward over the whole batch; returns one [tokens, hidden] tensor per
+        image (split by grid_thw), on the CPU, float32.
+
+        Inputs are ``Kimi_K25ImageProcessor``'s: ``pixel_values`` ``[patches, 3, p, p]`` and
+        ``grid_thw`` ``[images, 3]``. Each image gives ``(h/kh)*(w/kw)`` tokens (frames of a clip
+        are pooled). Inputs that cannot belong together raise ``ValueError`` before any compute,
+        so a bad batch never reaches the device. On CUDA each image's tensor is its own copy
+        (a cache may keep one without pinning the whole batch).
+        """
+        sizes = self._tokens_per_image(pixel_values, grid_thw)
+        if not sizes:
+            return []
+        with torch.inference_mode():
+            features = self._module(
+                pixel_values.to(self._device, self._dtype, non_blocking=True),
+                grid_thw.to(self._device, torch.long),
+            )
+            return [chunk.to("cpu", torch.float32) for chunk in torch.split(features, sizes, dim=0)]
+
+    def _tokens_per_image(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[int]:
+        """Validate the batch's shapes and return each image's output token count."""
+        if grid_thw.ndim != 2 or grid_thw.shape[1] != 3:
+            raise ValueError(f"grid_thw must be [images, 3], got {list(grid_thw.shape)}")
+        if grid_thw.dtype.is_floating_point or grid_thw.dtype == torch.bool:
+            raise ValueError(f"grid_thw must hold integers, got {grid_thw.dtype}")
+        patch = self._patch_size
+        if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != (3, patch, patch):
+            raise ValueError(
+                f"pixel_values must be [patches, 3, {patch}, {patch}], "
+                f"got {list(pixel_values.shape)}"
+            )
+        kh, kw = self._merge_kernel
+        sizes: list[int] = []
+        patches = 0
+        for index, (t, h, w) in enumerate(grid_thw.tolist()):
+            if t < 1 or h < 1 or w < 1 or h % kh or w % kw:
+                raise ValueError(
+                    f"grid_thw[{index}] = {[t, h, w]}: each entry must be positive and h, w "
+                    f"multiples of the merge kernel {kh}x{kw}"
+                )
+            patches += t * h * w
+            sizes.append((h // kh) * (w // kw))
+        if patches != pixel_values.shape[0]:
+            raise ValueError(
+                f"grid_thw describes {patches} patches but pixel_values has {pixel_values.shape[0]}"
+            )
+        return sizes
+
+    # ------------------------------------------------------------------ loading
+
+    def _load_weights(self, module: _KimiVisionPath, is_full: bool) -> tuple[str, ...]:
+        """Read only the vision/projector tensors, rename them to module names, assign them."""
+        expected = module.state_dict()
+        files = _tensor_files(self._path)  # checkpoint key -> shard path
+        wanted = {key: _component(key, is_full) for key in files}
+        wanted = {key: split for key, split in wanted.items() if split is not None}
+        tower_keys = [rest for component, rest in wanted.values() if component == "vision_tower"]
+        original_layout = any(
+            _ORIGINAL_LAYOUT_MARKER.search(_strip_encoder(rest)) for rest in tower_keys
+        )
+        config = self._config.vision_config if is_full else self._config
+        num_heads = int(config.num_attention_heads)
+
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for key in wanted:
+            by_file[files[key]].append(key)
+
+        state: dict[str, torch.Tensor] = {}
+        unexpected: list[str] = []
+        for shard, keys in sorted(by_file.items()):
+            try:
+                with safe_open(str(shard), framework="pt", device="cpu") as reader:
+                    for key in sorted(keys):
+                        component, rest = wanted[key]
+                        tensor = reader.get_tensor(key)
+                        for name, value in _rename(
+                            component, rest, tensor, original_layout, num_heads
+                        ):
+                            name_in_module = f"{component}.{name}"
+                            if name_in_module in expected:
+                                # Cast and move one tensor at a time: no second full copy.
+                                state[name_in_module] = value.to(
+                                    device=self._device,
+                                    dtype=self._dtype if value.is_floating_point() else None,
+                                )
+                            else:
+                                unexpected.append(key)
+            except (OSError, SafetensorError) as exc:
+                raise EncoderLoadError(f"{shard}: cannot read safetensors weights") from exc
+
+        _check_state(self._path, state, expected, unexpected)
+        module.load_state_dict(state, strict=True, assign=True)
+        _materialise_buffers(module, self._device)
+        return tuple(sorted(wanted))
+
+    def _check_preprocessor_matches_model(self) -> None:
+        """A preprocessor that patchifies at another size than the model would give garbage."""
+        settings = self._preprocessor
+        kh, kw = self._merge_kernel
+        merge = settings["merge_size"]
+        if settings["patch_size"] != self._patch_size or (kh, kw) != (merge, merge):
+            raise EncoderLoadError(
+                f"{self._path}: preprocessor patch_size/merge_size "
+                f"{settings['patch_size']}/{settings['merge_size']} do not match the model's "
+                f"{self._patch_size}/{kh}x{kw}"
+            )
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    """``auto`` means CUDA when present; anything else is taken as a torch device string."""
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise EncoderLoadError(f"unknown device {device!r}") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise EncoderLoadError(f"device {device!r} requested but CUDA is not available")
+    return resolved
+
+
+def _load_config(path: Path) -> Any:
+    """Parse config.json with transformers (local only) and check it is a Kimi-K2.5 one."""
+    if not path.is_dir():
+        raise EncoderLoadError(f"encoder checkpoint directory not found: {path}")
+    if not (path / _CONFIG_FILE).is_file():
+        raise EncoderLoadError(f"{path}: no {_CONFIG_FILE}, not a transformers checkpoint")
+    try:
+        model_type = json.loads((path / _CONFIG_FILE).read_text("utf-8")).get("model_type")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:
+        raise EncoderLoadError(f"{path}: {_CONFIG_FILE} is not a readable JSON object") from exc
+    if model_type not in (_FULL_MODEL_TYPE, _VISION_MODEL_TYPE):
+        raise EncoderLoadError(
+            f"{path}: model_type {model_type!r} is not supported; "
+            f"expected {_FULL_MODEL_TYPE!r} or {_VISION_MODEL_TYPE!r}"
+        )
+    from transformers import Kimi_K25Config, Kimi_K25VisionConfig
+
+    config_class = Kimi_K25Config if model_type == _FULL_MODEL_TYPE else Kimi_K25VisionConfig
+    try:
+        return config_class.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # transformers raises many types for a malformed config
+        raise EncoderLoadError(
+            f"{path}: {_CONFIG_FILE} is not a valid {model_type} config"
+        ) from exc
+
+
+def _build_on_meta(config: Any, is_full: bool) -> _KimiVisionPath:
+    """Build tower (+ projector) with no storage: the weights come from the checkpoint.
+
+    Only ``vision_config`` (and ``text_config.hidden_size`` for the projector's output) are
+    used; no language-model module is constructed.
+    """
+    from transformers.models.kimi_k25.modeling_kimi_k25 import (
+        Kimi_K25MultimodalProjection,
+        Kimi_K25VisionModel,
+    )
+
+    with torch.device("meta"):
+        if is_full:
+            tower = Kimi_K25VisionModel(config.vision_config)
+            projector: nn.Module | None = Kimi_K25MultimodalProjection(config)
+        else:
+            tower = Kimi_K25VisionModel(config)
+            projector = None
+    return _KimiVisionPath(tower, projector)
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Map every checkpoint tensor name to its file, reading only the index or file headers."""
+    index = path / _INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text("utf-8"))["weight_map"]
+            files = {str(key): path / str(name) for key, name in weight_map.items()}
+        except (OSError, ValueError, LookupError, TypeError, AttributeError) as exc:
+            raise EncoderLoadError(f"{path}: {_INDEX_FILE} is malformed") from exc
+        # A shard listed but absent only matters if a vision tensor lives there: opening it
+        # then fails with a clear error. LM-only shards may be left off an encoder host.
+        return files
+    shards = [path / _SINGLE_FILE] if (path / _SINGLE_FILE).is_file() else []
+    shards = shards or sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise EncoderLoadError(f"{path}: no safetensors weights (model.safetensors or an index)")
+    files: dict[str, Path] = {}
+    for shard in shards:
+        try:
+            with safe_open(str(shard), framework="pt", device="cpu") as reader:
+                files.update(dict.fromkeys(reader.keys(), shard))
+        except (OSError, SafetensorError) as exc:
+            raise EncoderLoadError(f"{shard}: cannot read safetensors weights") from exc
+    return files
+
+
+def _component(key: str, is_full: bool) -> tuple[str, str] | None:
+    """Which module a checkpoint key belongs to (and the rest of its name), or None if LM."""
+    name = key.removeprefix("model.")
+    for component in ("vision_tower", "mm_projector"):
+        if name.startswith(component + "."):
+            if component == "mm_projector" and not is_full:
+                return None
+            return component, name[len(component) + 1 :]
+    if is_full:
+        return None
+    return "vision_tower", key  # a standalone Kimi_K25VisionModel: unprefixed names
+
+
+def _strip_encoder(rest: str) -> str:
+    """``encoder.blocks.3.wo`` -> ``layers.3.wo``: the original layout nests MoonViT's blocks."""
+    rest = rest.removeprefix("encoder.")
+    return "layers." + rest[len("blocks.") :] if rest.startswith("blocks.") else rest
+
+
+def _rename(
+    component: str, rest: str, tensor: torch.Tensor, original_layout: bool, num_heads: int
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """Checkpoint name and tensor -> (module name, tensor) pairs, as transformers' load does."""
+    if component == "mm_projector":
+        for old, new in _PROJECTOR_RENAMES.items():
+            if rest.startswith(old):
+                rest = new + rest[len(old) :]
+        yield rest, tensor
+        return
+    rest = _strip_encoder(rest)
+    if rest == "patch_embed.pos_emb.weight":
+        yield "patch_embed.pos_emb.position_embeddings", tensor
+        return
+    if not original_layout:
+        yield rest, tensor
+        return
+    fused = _FUSED_QKV.match(rest)
+    if fused:
+        layer, kind = fused.groups()
+        query, key, value = torch.chunk(tensor, 3, dim=0)
+        yield f"layers.{layer}.attn.q_proj.{kind}", _interleaved_to_half(query, num_heads)
+        yield f"layers.{layer}.attn.k_proj.{kind}", _interleaved_to_half(key, num_heads)
+        yield f"layers.{layer}.attn.v_proj.{kind}", value.contiguous()
+        return
+    for pattern, replacement in _ORIGINAL_RENAMES:
+        renamed, count = pattern.subn(replacement, rest)
+        if count:
+            yield renamed, tensor
+            return
+    yield rest, tensor
+
+
+def _interleaved_to_half(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Per head, rows (x0,y0,x1,y1,...) -> (x0,x1,...,y0,y1,...): complex RoPE to rotate-half.
+
+    The same permutation as transformers' ``PermuteForRope`` (forward direction).
+    """
+    rows = tensor.shape[0]
+    half = rows // num_heads // 2
+    tail = tensor.shape[1:]
+    permuted = tensor.reshape(num_heads, half, 2, *tail).transpose(1, 2)
+    return permuted.reshape(rows, *tail).contiguous()
+
+
+def _check_state(
+    path: Path,
+    state: Mapping[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    unexpected: list[str],
+) -> None:
+    """Every module tensor present with its shape, no stray vision tensors: say which, not how."""
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise EncoderLoadError(
+            f"{path}: the checkpoint lacks {len(missing)} vision tensor(s): {shown}"
+        )
+    if unexpected:
+        shown = ", ".join(sorted(unexpected)[:5]) + (", ..." if len(unexpected) > 5 else "")
+        raise EncoderLoadError(
+            f"{path}: {len(unexpected)} vision tensor(s) do not fit the config: {shown}"
+        )
+    for name, value in state.items():
+        want = tuple(expected[name].shape)
+        if tuple(value.shape) != want:
+            raise EncoderLoadError(
+                f"{path}: tensor {name} has shape {list(value.shape)}, "
+                f"the config expects {list(want)}"
+            )
+
+
+def _materialise_buffers(module: nn.Module, device: torch.device) -> None:
+    """Give the non-persistent buffers (RoPE ``inv_freq``, temporal sin table) real values.
+
+    They were created on the meta device and are not in the checkpoint. Recomputing them is
+    transformers' own job: allocate them, mark every loaded parameter as initialised and run
+    ``initialize_weights`` — the path ``from_pretrained`` takes, which skips marked tensors.
+    """
+    from transformers import PreTrainedModel
+
+    for submodule in module.modules():
+        for name, buffer in list(submodule.named_buffers(recurse=False)):
+            if buffer is not None and buffer.is_meta:
+                submodule._buffers[name] = torch.empty_like(buffer, device=device)
+    for parameter in module.parameters():
+        parameter._is_hf_initialized = True  # type: ignore[attr-defined]
+    for submodule in module.children():
+        if isinstance(submodule, PreTrainedModel):
+            submodule.initialize_weights()
+    leftover = [
+        name
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]
+        if tensor.is_meta
+    ]
+    if leftover:  # a transformers change we do not know how to initialise
+        raise EncoderLoadError(f"tensors left uninitialised after loading: {leftover[:5]}")
+
+
+def _preprocessor_settings(path: Path, config: Any, vision_config: Any) -> dict[str, Any]:
+    """Field by field: checkpoint preprocessor config, then model config, then processor defaults.
+
+    Two preprocessor formats exist: the hub's ``media_proc_cfg`` (in_patch_limit,
+    patch_limit_on_one_side, merge_kernel_size, ...) and transformers' ``Kimi_K25ImageProcessor``
+    keys (max_patches, size.max_height, merge_size, ...; ``processor_config.json`` nests them
+    under ``image_processor``). ``max_side`` counts patches, like ``patch_limit_on_one_side``.
+    """
+    from transformers import Kimi_K25ImageProcessor
+
+    sources: list[dict[str, Any]] = [_from_processor_file(path)]
+    model: dict[str, Any] = {
+        "patch_size": vision_config.patch_size,
+        "merge_size": _merge_size(vision_config.merge_kernel_size),
+    }
+    media = getattr(config, "media_proc_cfg", None)
+    if isinstance(media, Mapping):
+        model = _from_media_proc_cfg(media) | model
+    sources.append(model)
+    defaults = Kimi_K25ImageProcessor
+    sources.append(
+        {
+            "patch_size": defaults.patch_size,
+            "merge_size": defaults.merge_size,
+            "max_patches": defaults.max_patches,
+            "max_side": defaults.size["max_height"],
+            "image_mean": defaults.image_mean,
+            "image_std": defaults.image_std,
+        }
+    )
+    settings: dict[str, Any] = {}
+    for field in ("patch_size", "merge_size", "max_patches", "max_side", "image_mean", "image_std"):
+        value = next(source[field] for source in sources if source.get(field) is not None)
+        if field in ("image_mean", "image_std"):
+            value = [float(v) for v in (value if isinstance(value, Iterable) else [value] * 3)]
+        else:
+            value = int(value)
+        settings[field] = value
+    return settings
+
+
+def _from_processor_file(path: Path) -> dict[str, Any]:
+    """The first preprocessor JSON in the directory, normalised to our field names."""
+    for file_name in _PREPROCESSOR_FILES:
+        file = path / file_name
+        if not file.is_file():
+            continue
+        try:
+            data = json.loads(file.read_text("utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise EncoderLoadError(f"{file}: not a readable JSON file") from exc
+        if not isinstance(data, dict):
+            raise EncoderLoadError(f"{file}: not a JSON object")
+        if isinstance(data.get("image_processor"), dict):
+            data = data["image_processor"]
+        if isinstance(data.get("media_proc_cfg"), dict):
+            return _from_media_proc_cfg(data["media_proc_cfg"])
+        size = data.get("size") if isinstance(data.get("size"), dict) else {}
+        return {
+            "patch_size": data.get("patch_size"),
+            "merge_size": _merge_size(data.get("merge_size")),
+            "max_patches": data.get("max_patches"),
+            "max_side": size.get("max_height"),
+            "image_mean": data.get("image_mean"),
+            "image_std": data.get("image_std"),
+        }
+    return {}
+
+
+def _from_media_proc_cfg(media: Mapping[str, Any]) -> dict[str, Any]:
+    """The hub (remote-code) processor block: Kimi's own names for the same settings."""
+    return {
+        "patch_size": media.get("patch_size"),
+        "merge_size": _merge_size(media.get("merge_kernel_size")),
+        "max_patches": media.get("in_patch_limit"),
+        "max_side": media.get("patch_limit_on_one_side"),
+        "image_mean": media.get("image_mean"),
+        "image_std": media.get("image_std"),
+    }
+
+
+def _merge_size(value: Any) -> int | None:
+    """``2`` or ``[2, 2]`` -> 2; a non-square kernel has no single merge size."""
+    if value is None or isinstance(value, int):
+        return value
+    values = [int(v) for v in value]
+    if len(set(values)) != 1:
+        raise EncoderLoadError(f"non-square merge kernel {values} is not supported")
+    return values[0]
