@@ -104,7 +104,9 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-def serve(directory: str) -> None:
+def serve(directory: str, cpu: int | None) -> None:
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
     for name, content_type in FILES.items():
         body = (Path(directory) / name).read_bytes()
         head = (
@@ -121,9 +123,10 @@ def serve(directory: str) -> None:
     server.serve_forever()
 
 
-def start_server(directory: str) -> tuple[subprocess.Popen[str], int]:
+def start_server(directory: str, cpu: int | None) -> tuple[subprocess.Popen[str], int]:
+    pin = [] if cpu is None else ["--server-cpu", str(cpu)]
     process = subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), "--serve", directory],
+        [sys.executable, str(Path(__file__).resolve()), "--serve", directory, *pin],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -244,7 +247,7 @@ def profile_diff(
     try:
         for label, get in (("fetcher", clients.via_fetcher), ("httpx", clients.via_httpx)):
             retries["n"] = 0
-            profiler = cProfile.Profile(time.process_time)
+            profiler = cProfile.Profile()
             profiler.enable()
             for _ in range(calls):
                 loop.run_until_complete(batch(get, url, variant.fetches, variant.inflight))
@@ -310,11 +313,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--reps", type=int, default=None, help="batches of each per round")
     parser.add_argument("--profile", action="store_true", help="cProfile both clients")
+    parser.add_argument("--no-pin", action="store_true", help="leave both processes unpinned")
     parser.add_argument("--serve", metavar="DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--server-cpu", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve)
+        serve(args.serve, args.server_cpu)
         return
+    pin = not args.no_pin and hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2
+    if pin:
+        client_cpu, server_cpu = sorted(os.sched_getaffinity(0))[:2]
+        os.sched_setaffinity(0, {client_cpu})
     rounds = args.rounds or (3 if args.quick else 15)
     reps = args.reps or (1 if args.quick else 3)
 
@@ -329,7 +338,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="modalgate-p4-") as directory:
         for name, data in media.items():
             (Path(directory) / name).write_bytes(data)
-        server, port = start_server(directory)
+        server, port = start_server(directory, server_cpu if pin else None)
         loop = asyncio.new_event_loop()
         try:
             clients = loop.run_until_complete(open_clients())
@@ -339,7 +348,12 @@ def main() -> None:
             print(machine_line())
             print(
                 f"server: stdlib ThreadingHTTPServer in a separate process, 127.0.0.1:{port}, "
-                "HTTP/1.1 keep-alive"
+                "HTTP/1.1 keep-alive; "
+                + (
+                    f"server pinned to CPU {server_cpu}, client to CPU {client_cpu}"
+                    if pin
+                    else "not pinned"
+                )
             )
             jpeg, png = media["photo.jpg"], media["icon.png"]
             print(

@@ -115,8 +115,10 @@ def main() -> None:
     )
     print("reference: Kimi_K25ImageProcessor(...)([image], return_tensors='pt')")
     print("ours: KimiPreprocessor(...)([image])  (CPU)")
-    print(f"headline {HEADLINE[0]}x{HEADLINE[1]} {K3.label}: {rounds} rounds x {reps} reps, "
-          "interleaved; per round the median of each")
+    print(
+        f"headline {HEADLINE[0]}x{HEADLINE[1]} {K3.label}: {rounds} rounds x {reps} reps, "
+        "interleaved; per round the median of each"
+    )
 
     rows = []
     headline = None
@@ -141,8 +143,10 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         if is_headline:
             headline = result
-            print(f"\n{width}x{height} {settings.label}: pixel_values {shape}, grid {grid}, "
-                  f"max abs diff {diff:g}")
+            print(
+                f"\n{width}x{height} {settings.label}: pixel_values {shape}, grid {grid}, "
+                f"max abs diff {diff:g}"
+            )
             print_rounds(result, "reference", "ours", elapsed)
         rows.append(
             (
@@ -161,8 +165,17 @@ def main() -> None:
     print()
     print(
         table(
-            ("image", "settings", "patches", "reference ms", "ours ms", "ratio", "spread",
-             "rounds", "max diff"),
+            (
+                "image",
+                "settings",
+                "patches",
+                "reference ms",
+                "ours ms",
+                "ratio",
+                "spread",
+                "rounds",
+                "max diff",
+            ),
             rows,
         )
     )

@@ -199,46 +199,44 @@ class KimiPreprocessor:
         return out, grid.view(-1, 3)
 
     def _fill_cpu(
-        self,
-        array: np.ndarray,
-        resized: tuple[int, int],
-        padded: tuple[int, int],
-        out: torch.Tensor,
+        self, array: np.ndarray, resized: tuple[int, int], padded: tuple[int, int], out: torch.Tensor
     ) -> None:
         """One image into its ``[n, 3, p, p]`` slice: resize, pad, patchify, normalise.
 
+        Streams the image in bands of whole patch rows through small, reused buffers,
+        so nothing image-sized is allocated besides the output (big allocations cost
+        page faults) and each band stays in cache from the first copy to the ``div_``.
         The layout work is done on uint8 with numpy, whose strided copies are several
         times faster than torch's here, in two steps that keep the copied runs long:
-        whole patch rows of ``p`` pixels x 3 channels (copied as one ``p*3``-byte void
+        whole patch rows of ``p`` pixels x 3 channels (moved as one ``p*3``-byte void
         item each) into patch order, then the channel split within each patch, fused
-        with the cast to float32, in chunks that stay in cache for the ``sub_`` and
-        ``div_`` that follow (the reference's arithmetic, so the result is
-        bit-identical).
+        with the cast to float32. Then the reference's ``sub_`` and ``div_``, in the
+        same order, so the result is bit-identical.
         """
         p = self.patch_size
         if resized != array.shape[:2]:
             array = _resize(_as_tensor(array), resized).numpy()
         height, width = array.shape[:2]
         pad_h, pad_w = padded
-        if (height, width) != padded or not array.flags.c_contiguous:
-            canvas = np.empty((pad_h, pad_w, 3), dtype=np.uint8)
-            canvas[height:] = 0
-            canvas[:height, width:] = 0
-            canvas[:height, :width] = array
-            array = canvas
         grid_h, grid_w = pad_h // p, pad_w // p
+        band_rows = max(1, min(grid_h, _BAND_PATCHES // grid_w))
+        canvas = np.zeros((band_rows * p, pad_w, 3), dtype=np.uint8)  # right margin stays 0
+        patches = np.empty((band_rows, grid_w, p, p * 3), dtype=np.uint8)
         row = np.dtype((np.void, p * 3))  # one patch's row of pixels, all channels
-        patches = np.empty((grid_h, grid_w, p, p * 3), dtype=np.uint8)
-        np.copyto(
-            patches.view(row),
-            array.reshape(grid_h, p, grid_w, p * 3).view(row).transpose(0, 2, 1, 3),
-        )
-        interleaved = patches.reshape(-1, p * p, 3)
-        planar = out.numpy().reshape(-1, 3, p * p)
-        for first in range(0, len(planar), _CHUNK_PATCHES):
-            chunk = slice(first, first + _CHUNK_PATCHES)
-            np.copyto(planar[chunk], interleaved[chunk].transpose(0, 2, 1), casting="unsafe")
-            out[chunk].sub_(self._mean).div_(self._std)
+        planar = out.numpy().reshape(grid_h, grid_w, 3, p * p)
+        for top in range(0, grid_h, band_rows):
+            n = min(band_rows, grid_h - top)
+            first = min(height, top * p)
+            rows = min(height, first + n * p) - first
+            band = canvas[: n * p]
+            band[:rows, :width] = array[first : first + rows]
+            band[rows:] = 0  # bottom padding (the last band only)
+            moved = patches[:n]
+            source = band.reshape(n, p, grid_w, p * 3).view(row).transpose(0, 2, 1, 3)
+            np.copyto(moved.view(row), source)
+            split = moved.reshape(n, grid_w, p * p, 3).transpose(0, 1, 3, 2)
+            np.copyto(planar[top : top + n], split, casting="unsafe")
+            out[top * grid_w : (top + n) * grid_w].sub_(self._mean).div_(self._std)
 
     def _fill_device(
         self,
@@ -262,8 +260,9 @@ class KimiPreprocessor:
         out.div_(self._std)
 
 
-# Patches per normalisation step: 1024 x 3 x 14 x 14 float32 is 2.4 MB, cache-sized.
-_CHUNK_PATCHES = 1024
+# About this many patches per band (whole patch rows): 512 x 3 x 14 x 14 float32 is
+# 1.2 MB, so a band's buffers and output stay in cache between the steps.
+_BAND_PATCHES = 512
 
 
 def _resize(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:

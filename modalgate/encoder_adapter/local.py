@@ -18,7 +18,7 @@ from modalgate.encoder_adapter.batching import BatchSettings, MicroBatcher, Over
 from modalgate.encoder_adapter.cache import EmbeddingCache, content_key
 from modalgate.encoder_adapter.protocol import Encoded
 from modalgate.errors import ErrorCode, Violation
-from modalgate.media.decode import DecodeError, DecodeOptions, DecodePool
+from modalgate.media.decode import DEFAULT_MAX_PIXELS, DecodeError, DecodeOptions, DecodePool
 
 Output = tuple[Any, tuple[int, int, int]]  # (embedding [tokens, hidden], grid_thw)
 
@@ -35,7 +35,7 @@ class KimiEncoderAdapter:
         batch: BatchSettings | None = None,
         cache_bytes: int = 256 * 1024 * 1024,
         decode_workers: int = 2,
-        max_pixels: int = DecodeOptions.max_pixels,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
     ) -> None:
         from modalgate.encoder_adapter.kimi import KimiPreprocessor
         from modalgate.encoder_adapter.transformers_encoder import TransformersVisionEncoder

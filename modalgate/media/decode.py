@@ -27,9 +27,12 @@ class DecodeError(ValueError):
     """The image cannot be decoded; the text is safe to show a client."""
 
 
+DEFAULT_MAX_PIXELS = (512 * 14) ** 2
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeOptions:
-    max_pixels: int = (512 * 14) ** 2
+    max_pixels: int = DEFAULT_MAX_PIXELS
     background: Color = (255, 255, 255)  # alpha is composited onto this
 
 
