@@ -199,7 +199,11 @@ class KimiPreprocessor:
         return out, grid.view(-1, 3)
 
     def _fill_cpu(
-        self, array: np.ndarray, resized: tuple[int, int], padded: tuple[int, int], out: torch.Tensor
+        self,
+        array: np.ndarray,
+        resized: tuple[int, int],
+        padded: tuple[int, int],
+        out: torch.Tensor,
     ) -> None:
         """One image into its ``[n, 3, p, p]`` slice: resize, pad, patchify, normalise.
 

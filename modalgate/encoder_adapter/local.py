@@ -8,6 +8,7 @@ one batch at a time, so the GPU (or the CPU's threads) serve one batch fully.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from modalgate.encoder_adapter.protocol import Encoded
 from modalgate.errors import ErrorCode, Violation
 from modalgate.media.decode import DEFAULT_MAX_PIXELS, DecodeError, DecodeOptions, DecodePool
 
+logger = logging.getLogger("modalgate.encoder")
 Output = tuple[Any, tuple[int, int, int]]  # (embedding [tokens, hidden], grid_thw)
 
 
@@ -96,6 +98,7 @@ class KimiEncoderAdapter:
                 error=Violation(ErrorCode.ENCODER_OVERLOADED, "the encoder did not answer in time")
             )
         except Exception:
+            logger.exception("the encoder failed on an accepted image")
             return Encoded(error=_failed())
         self.cache.put(key, (embedding, grid), embedding.numel() * embedding.element_size())
         return Encoded(embedding=embedding, grid_thw=grid)

@@ -11,6 +11,7 @@ an encoder would then describe pixels the user never sent.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from PIL import Image, ImageOps
 from modalgate.media.pillow import PLUGINS, is_truncated, open_image, quiet_pillow
 from modalgate.media.sniff import sniff
 
+logger = logging.getLogger("modalgate.media")
 Color = tuple[int, int, int]
 
 
@@ -105,6 +107,7 @@ class DecodePool:
             if isinstance(result, DecodeError | Image.Image):
                 out.append(result)
             elif isinstance(result, BaseException):
+                logger.error("decoding failed unexpectedly", exc_info=result)
                 out.append(DecodeError("the image cannot be decoded"))
         return out
 
