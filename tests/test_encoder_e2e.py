@@ -26,6 +26,7 @@ from kimi_tiny import processor, save_full_checkpoint
 from modalgate.encoder_adapter import BatchSettings, Overloaded, create_encoder
 from modalgate.encoder_adapter.local import KimiEncoderAdapter
 from modalgate.gateway.app import create_app
+from modalgate.policy import parse_policy
 
 SIZES = [(60, 45), (30, 100), (28, 28), (200, 90)]
 
@@ -226,3 +227,49 @@ def test_modalgate_serve_with_an_encoder(checkpoint, tmp_path):
     finally:
         process.terminate()
         process.wait(30)
+
+
+def test_a_policy_rule_picks_its_encoder(checkpoint, tmp_path):
+    policy = parse_policy(
+        f"""
+extends: builtin
+models:
+  - name: house-vit
+    match: ["acme/house-vit*"]
+    mode: encoder
+    accepts: [image]
+    encoder: "kimi:{checkpoint[0]}"
+""",
+        fmt="yaml",
+    )
+    with serve(create_app(policy=policy, mode="encoder")) as url:
+        ok = httpx.post(
+            url + "/v1/encode",
+            json=chat(image_part(data_url(png(50, 50, 5))), model="acme/house-vit-1"),
+            timeout=60,
+        )
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["data"][0]["tokens"] == 4
+        # kimi-k3 has no encoder here and there is no default: a clear 400, not a 500.
+        missing = httpx.post(
+            url + "/v1/encode",
+            json=chat(image_part(data_url(png(50, 50, 5))), model="kimi-k3"),
+            timeout=60,
+        )
+    assert missing.status_code == 400
+    error = missing.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_request", "model")
+
+
+def test_serve_refuses_an_encoder_that_cannot_load(tmp_path):
+    script = Path(sys.executable).with_name("modalgate")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "modalgate.gateway.cli"]
+    result = subprocess.run(
+        [*command, "serve", "--encoder", f"kimi:{tmp_path / 'missing'}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "cannot start the encoder" in result.stderr
+    assert "Traceback" not in result.stderr

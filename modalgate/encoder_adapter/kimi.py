@@ -138,6 +138,13 @@ class KimiPreprocessor:
         # shaped to broadcast over one patch [3, p, p].
         self._mean = (torch.tensor(mean) * (1.0 / _RESCALE_FACTOR)).view(3, 1, 1).to(self.device)
         self._std = (torch.tensor(std) * (1.0 / _RESCALE_FACTOR)).view(3, 1, 1).to(self.device)
+        # The CPU path works on [n, 3, p*p]; when the three channels agree (they do for
+        # every Kimi checkpoint) plain float scalars are faster than broadcasting and,
+        # holding the same float32 values, give the same results.
+        self._sub: float | torch.Tensor = self._mean.view(3, 1).cpu()
+        self._div: float | torch.Tensor = self._std.view(3, 1).cpu()
+        if len(set(self._mean.flatten().tolist())) == len(set(self._std.flatten().tolist())) == 1:
+            self._sub, self._div = float(self._mean[0]), float(self._std[0])
 
     def settings_key(self) -> str:
         """A short, stable string of everything that changes the output: part of cache keys.
@@ -226,8 +233,9 @@ class KimiPreprocessor:
         band_rows = max(1, min(grid_h, _BAND_PATCHES // grid_w))
         canvas = np.zeros((band_rows * p, pad_w, 3), dtype=np.uint8)  # right margin stays 0
         patches = np.empty((band_rows, grid_w, p, p * 3), dtype=np.uint8)
+        planar = np.empty((band_rows * grid_w, 3, p * p), dtype=np.uint8)
+        planar_t = torch.from_numpy(planar)
         row = np.dtype((np.void, p * 3))  # one patch's row of pixels, all channels
-        planar = out.numpy().reshape(grid_h, grid_w, 3, p * p)
         for top in range(0, grid_h, band_rows):
             n = min(band_rows, grid_h - top)
             first = min(height, top * p)
@@ -238,9 +246,9 @@ class KimiPreprocessor:
             moved = patches[:n]
             source = band.reshape(n, p, grid_w, p * 3).view(row).transpose(0, 2, 1, 3)
             np.copyto(moved.view(row), source)
-            split = moved.reshape(n, grid_w, p * p, 3).transpose(0, 1, 3, 2)
-            np.copyto(planar[top : top + n], split, casting="unsafe")
-            out[top * grid_w : (top + n) * grid_w].sub_(self._mean).div_(self._std)
+            np.copyto(planar[: n * grid_w], moved.reshape(n * grid_w, p * p, 3).transpose(0, 2, 1))
+            chunk = out[top * grid_w : (top + n) * grid_w].view(n * grid_w, 3, p * p)
+            chunk.copy_(planar_t[: n * grid_w]).sub_(self._sub).div_(self._div)
 
     def _fill_device(
         self,

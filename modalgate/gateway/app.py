@@ -18,11 +18,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from modalgate.encoder_adapter import EncoderAdapter
+from modalgate.encoder_adapter import EncoderAdapter, create_encoder
 from modalgate.gateway.encode import ENCODE_PATH, encode_endpoint
 from modalgate.gateway.middleware import DEFAULT_PATHS, ModalGate, get_verdict
 from modalgate.gateway.responses import json_bytes
-from modalgate.policy import Policy
+from modalgate.policy import Policy, load_policy
 
 VALIDATE_PATH = "/v1/validate"
 
@@ -43,23 +43,28 @@ def create_app(
     mode: str | None = None,
     encoder: EncoderAdapter | None = None,
 ) -> ASGIApp:
+    """The gateway app; ``encoder`` serves /v1/encode for rules without their own ``encoder:``."""
+    if not isinstance(policy, Policy):
+        policy = load_policy(policy)
     paths = [VALIDATE_PATH, *DEFAULT_PATHS]
     routes = [Route(p, _verdict, methods=["POST"]) for p in paths]
     routes.append(Route("/healthz", _healthz, methods=["GET"]))
-    if encoder is not None:
-        routes.append(Route(ENCODE_PATH, encode_endpoint(encoder), methods=["POST"]))
+    specs = {r.encoder for r in policy.models if r.encoder and r.mode in (None, mode)}
+    by_spec = {spec: create_encoder(spec) for spec in sorted(specs)}
+    adapters = [*by_spec.values(), *([encoder] if encoder is not None else [])]
+    if adapters:
+        routes.append(Route(ENCODE_PATH, encode_endpoint(encoder, by_spec), methods=["POST"]))
         paths.append(ENCODE_PATH)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        if encoder is not None:
-            await encoder.warmup()
+        for adapter in adapters:
+            await adapter.warmup()
         try:
             yield
         finally:
-            if encoder is not None:
-                await encoder.close()
+            for adapter in adapters:
+                await adapter.close()
 
-    return ModalGate(
-        Starlette(routes=routes, lifespan=lifespan), policy=policy, mode=mode, paths=paths
-    )
+    inner = Starlette(routes=routes, lifespan=lifespan)
+    return ModalGate(inner, policy=policy, mode=mode, paths=paths)

@@ -84,21 +84,19 @@ def _load(args: argparse.Namespace) -> Policy | None:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from modalgate.encoder_adapter import create_encoder
     from modalgate.gateway.app import create_app
 
     policy = _load(args)
     if policy is None:
         return EXIT_USAGE
-    encoder = None
-    if args.encoder:
-        from modalgate.encoder_adapter import create_encoder
-
-        try:
-            encoder = create_encoder(args.encoder)
-        except (LookupError, ValueError, OSError) as exc:
-            print(f"--encoder {args.encoder}: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-    app = create_app(policy=policy, mode=args.mode, encoder=encoder)
+    try:
+        encoder = create_encoder(args.encoder) if args.encoder else None
+        app = create_app(policy=policy, mode=args.mode, encoder=encoder)
+    except (LookupError, ValueError, OSError, RuntimeError) as exc:
+        # An encoder that cannot load is an operator's problem: one line, no traceback.
+        print(f"cannot start the encoder: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return EXIT_OK
 

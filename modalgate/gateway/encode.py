@@ -26,11 +26,22 @@ from modalgate.validators import MediaPart, Verdict
 ENCODE_PATH = "/v1/encode"
 
 
-def encode_endpoint(adapter: EncoderAdapter):
+def encode_endpoint(default: EncoderAdapter | None, by_spec: dict[str, EncoderAdapter]):
+    """The endpoint; a rule's ``encoder:`` picks its adapter, else ``default`` serves."""
+
     async def endpoint(request: Request) -> Response:
         verdict = get_verdict(request.scope)
         if verdict is None:  # served without its gate: a wiring mistake, not the client's
             return Response(status_code=500)
+        spec = verdict.rule.encoder if verdict.rule is not None else None
+        adapter = by_spec.get(spec, default) if spec else default
+        if adapter is None:
+            shown = (verdict.model or "")[:100]
+            return _error(
+                Violation(
+                    ErrorCode.INVALID_REQUEST, f"model: no encoder serves {shown!r} here", "model"
+                )
+            )
         images = [part for part in verdict.parts if part.modality == "image"]
         unusable = [part for part in images if part.data is None]
         if unusable:

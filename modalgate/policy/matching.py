@@ -35,6 +35,7 @@ class ResolvedRule:
     media_roles: frozenset[Role]
     message: str | None = None
     tokens: TokenSpec | None = None
+    encoder: str | None = None
     known: bool = True
 
 
@@ -96,6 +97,7 @@ class RuleMatcher:
             media_roles=frozenset(best_rule.media_roles or self.policy.media_roles),
             message=best_rule.message,
             tokens=best_rule.tokens,
+            encoder=best_rule.encoder,
         )
 
 

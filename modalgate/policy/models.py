@@ -123,6 +123,8 @@ class ModelRule(_Strict):
     limits: Limits | None = None
     media_roles: tuple[Role, ...] | None = None
     tokens: TokenSpec | None = None
+    # Encoder adapter for /v1/encode, as NAME[:ARG] (e.g. "kimi:/models/kimi-k3-vit").
+    encoder: str | None = None
     source: str | None = None
 
 
