@@ -1,4 +1,4 @@
-"""Run the three benchmarks one after another and print their RESULT lines together.
+"""Run the benchmarks one after another and print their RESULT lines together.
 
 Usage: .venv/bin/python benchmarks/run_all.py [--quick]
 
@@ -20,6 +20,8 @@ SCRIPTS = (
     "p1_middleware_overhead.py",
     "p2_validate_vs_json_loads.py",
     "p3_vs_naive_validator.py",
+    "m1_fetch_overhead.py",
+    "m2_decode_throughput.py",
 )
 
 

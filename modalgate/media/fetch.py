@@ -29,7 +29,7 @@ import httpx
 
 from modalgate.errors import ErrorCode
 from modalgate.media.addresses import IPAddress, is_forbidden_address, parse_host_address
-from modalgate.media.urls import url_refusal
+from modalgate.media.urls import parse_media_url, parsed_url_refusal
 from modalgate.policy.models import MediaUrls
 
 # (host as httpcore sees it, the checked address to connect to) for the current task.
@@ -132,7 +132,9 @@ class MediaFetcher:
                 "accept-encoding": "identity",
             },
         )
-        self._all = anyio.Semaphore(max_connections)
+        # fast_acquire: a free slot costs no trip through the event loop (each trip
+        # made httpcore's pool race for idle connections more often under load).
+        self._all = anyio.Semaphore(max_connections, fast_acquire=True)
         self._max_per_host = max_per_host
         self._per_host: dict[str, anyio.Semaphore] = {}
 
@@ -173,10 +175,12 @@ class MediaFetcher:
         )
 
     def _checked(self, url: str) -> httpx.URL:
-        reason = url_refusal(url, self.rules)
+        parsed = parse_media_url(url)
+        if isinstance(parsed, str):
+            raise FetchError(ErrorCode.URL_NOT_ALLOWED, parsed)
+        reason = parsed_url_refusal(parsed, self.rules)
         if reason is not None:
             raise FetchError(ErrorCode.URL_NOT_ALLOWED, reason)
-        parsed = httpx.URL(url)
         if parsed.scheme not in ("http", "https", "file"):
             raise FetchError(ErrorCode.URL_NOT_ALLOWED, f"cannot fetch {parsed.scheme!r} URLs")
         return parsed
@@ -213,7 +217,7 @@ class MediaFetcher:
                 self._per_host = {
                     h: s for h, s in self._per_host.items() if s.value < self._max_per_host
                 }
-            slot = self._per_host[host] = anyio.Semaphore(self._max_per_host)
+            slot = self._per_host[host] = anyio.Semaphore(self._max_per_host, fast_acquire=True)
         return slot
 
     async def _get(self, url: httpx.URL, max_bytes: int, modality: str) -> Fetched | str:

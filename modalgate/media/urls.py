@@ -16,12 +16,21 @@ from modalgate.policy.models import MediaUrls
 
 def url_refusal(url: str, rules: MediaUrls) -> str | None:
     """Why this URL may not be used, in words fit for a client; ``None`` if it may."""
+    parsed = parse_media_url(url)
+    return parsed if isinstance(parsed, str) else parsed_url_refusal(parsed, rules)
+
+
+def parse_media_url(url: str) -> httpx.URL | str:
+    """The one parse every later decision and the request itself use, or why it failed."""
     if "\\" in url or any(ord(c) < 0x21 for c in url):
         return "the URL contains backslashes, spaces or control characters"
     try:
-        parsed = httpx.URL(url)
+        return httpx.URL(url)
     except (httpx.InvalidURL, ValueError, UnicodeError):
         return "the URL cannot be parsed"
+
+
+def parsed_url_refusal(parsed: httpx.URL, rules: MediaUrls) -> str | None:
     scheme = parsed.scheme.lower()
     if not scheme:
         return "the URL has no scheme; use https:// or a data: URL"
