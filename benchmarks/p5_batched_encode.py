@@ -43,17 +43,36 @@ def images(count: int, side: int) -> list[bytes]:
     return out
 
 
+def save_realistic_tower(directory: Path) -> None:
+    """Kimi-K2.5's vision tower at its real size (transformers' config defaults), random weights."""
+    import torch
+    from transformers import Kimi_K25ImageProcessor, Kimi_K25VisionConfig, Kimi_K25VisionModel
+
+    torch.manual_seed(0)
+    Kimi_K25VisionModel(Kimi_K25VisionConfig()).save_pretrained(directory)
+    Kimi_K25ImageProcessor().save_pretrained(directory)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--side", type=int, default=112, help="image side in pixels")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    parser.add_argument(
+        "--realistic",
+        action="store_true",
+        help="a Kimi-K2.5-size vision tower (27 layers, hidden 1152; random weights) for GPUs",
+    )
     args = parser.parse_args()
     rounds, reps = (3, 1) if args.quick else (9, 3)
 
     print(f"== {NAME}")
     print(machine_line())
     with tempfile.TemporaryDirectory() as directory:
-        save_full_checkpoint(Path(directory))
+        if args.realistic:
+            save_realistic_tower(Path(directory))
+        else:
+            save_full_checkpoint(Path(directory))
         batch = images(CONCURRENCY, args.side)
         loop = asyncio.new_event_loop()
         adapters = {
@@ -61,7 +80,7 @@ def main() -> None:
                 directory,
                 batch=BatchSettings(max_items=max_items, max_wait_ms=2.0),
                 cache_bytes=0,
-                device="cpu",
+                device=args.device,
             )
             for max_items in (CONCURRENCY, 1)
         }
@@ -75,8 +94,9 @@ def main() -> None:
 
         for adapter in adapters.values():  # warm-up: first forward, allocator, decode pool
             burst(adapter)
+        tower = "Kimi-K2.5-size tower" if args.realistic else "tiny Kimi-K2.5 tower"
         print(
-            f"tiny Kimi-K2.5 tower (2 layers, hidden 32) on the CPU; {CONCURRENCY} concurrent "
+            f"{tower} on {args.device}; {CONCURRENCY} concurrent "
             f"requests of one {args.side}x{args.side} PNG each; cache off"
         )
         print(f"{rounds} rounds x {reps} bursts, interleaved; per round the median of each")

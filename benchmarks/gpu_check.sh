@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# GPU checks for the encoder stage, for a session lent a GPU machine (the `device` tool).
+# Runs in under 5 minutes on one H200: the CUDA tests, then preprocessing on the
+# device vs the CPU, encode throughput and the batch speedup with a Kimi-K2.5-size tower.
+#
+# The device image has torch, torchvision, Pillow, numpy, httpx, anyio and pytest,
+# but not every modalgate dependency, and it cannot reach PyPI. Prepare wheels here
+# once (Python 3.12, x86-64), in the repo root:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl pydantic pydantic-core orjson pybase64 starlette uvicorn transformers==5.24.0 \
+#     typing-inspection annotated-types openai trustme
+# and call: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=420)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR="${OUT:-/tmp/gpu_check}"
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/site:$PWD"
+else
+  export PYTHONPATH="$PWD"
+fi
+{
+  nvidia-smi -L
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+  echo "== CUDA tests (the CPU conformance tests run too: they are the reference)"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_kimi_preprocessor.py tests/test_transformers_encoder.py tests/test_encoder_e2e.py
+  echo "== P4 preprocessing: CUDA vs CPU"
+  timeout 60 python3 benchmarks/p4_kimi_preprocess.py --quick --device cuda
+  echo "== P5 batched encode, Kimi-K2.5-size tower on the GPU (target >= 3)"
+  timeout 120 python3 benchmarks/p5_batched_encode.py --quick --realistic --device cuda --side 448
+} 2>&1 | tee "$OUT_DIR/gpu_check.log"
