@@ -124,6 +124,7 @@ def test_a_cancelled_request_never_reaches_the_model():
         kept = asyncio.ensure_future(batcher.submit(3))
         await asyncio.sleep(0.01)
         abandoned.cancel()  # the client went away while queued
+        await asyncio.sleep(0.01)  # cancellation lands at the task's next step
         gate.set()
         results = await asyncio.gather(first, kept)
         await batcher.close()
