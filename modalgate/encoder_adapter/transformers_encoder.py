@@ -37,9 +37,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,36 +46,22 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from modalgate.encoder_adapter.kimi_checkpoint import EncoderLoadError, preprocessor_settings
+from modalgate.encoder_adapter.kimi_layout import (
+    ORIGINAL_LAYOUT_MARKER,
+    component_of,
+    renamed,
+    strip_encoder,
+)
+
 __all__ = ["EncoderLoadError", "TransformersVisionEncoder"]
 
 _CONFIG_FILE = "config.json"
 _INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
-_PREPROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 _FULL_MODEL_TYPE = "kimi_k25"
 _VISION_MODEL_TYPE = "kimi_k25_vision"
-
-# Original-layout names, renamed the way transformers' ``conversion_mapping`` does for kimi_k25.
-# The norm/fc pairs shift by one (norm0->norm1, norm1->norm2), so they only apply to a checkpoint
-# recognised as original layout: in transformers' layout ``norm1`` already means the first norm.
-_ORIGINAL_LAYOUT_MARKER = re.compile(r"(^|\.)(wqkv|wo|norm0|mlp\.fc0)\.")
-_ORIGINAL_RENAMES = (
-    (re.compile(r"^layers\.(\d+)\.norm1\."), r"layers.\1.norm2."),
-    (re.compile(r"^layers\.(\d+)\.norm0\."), r"layers.\1.norm1."),
-    (re.compile(r"^layers\.(\d+)\.mlp\.fc1\."), r"layers.\1.mlp.fc2."),
-    (re.compile(r"^layers\.(\d+)\.mlp\.fc0\."), r"layers.\1.mlp.fc1."),
-    (re.compile(r"^layers\.(\d+)\.wo\."), r"layers.\1.attn.proj."),
-)
-_FUSED_QKV = re.compile(r"^layers\.(\d+)\.wqkv\.(weight|bias)$")
-_PROJECTOR_RENAMES = {"proj.0.": "in_proj.", "proj.2.": "out_proj."}
-
-
-class EncoderLoadError(RuntimeError):
-    """The checkpoint directory cannot give a Kimi-K2.5 vision encoder; the message says why.
-
-    Raised at start-up (operator-facing, so it names the path), never while serving a request.
-    """
 
 
 class _KimiVisionPath(nn.Module):
@@ -140,7 +125,7 @@ class TransformersVisionEncoder:
             self._hidden_size = int(config.text_config.hidden_size)
         else:
             self._hidden_size = int(vision_config.hidden_size) * kernel[0] * kernel[1]
-        self._preprocessor = _preprocessor_settings(self._path, config, vision_config)
+        self._preprocessor = preprocessor_settings(self._path, config, vision_config)
         self._check_preprocessor_matches_model()
 
     # ------------------------------------------------------------------ properties
@@ -241,11 +226,11 @@ class TransformersVisionEncoder:
         """Read only the vision/projector tensors, rename them to module names, assign them."""
         expected = module.state_dict()
         files = _tensor_files(self._path)  # checkpoint key -> shard path
-        wanted = {key: _component(key, is_full) for key in files}
+        wanted = {key: component_of(key, is_full) for key in files}
         wanted = {key: split for key, split in wanted.items() if split is not None}
         tower_keys = [rest for component, rest in wanted.values() if component == "vision_tower"]
         original_layout = any(
-            _ORIGINAL_LAYOUT_MARKER.search(_strip_encoder(rest)) for rest in tower_keys
+            ORIGINAL_LAYOUT_MARKER.search(strip_encoder(rest)) for rest in tower_keys
         )
         config = self._config.vision_config if is_full else self._config
         num_heads = int(config.num_attention_heads)
@@ -262,7 +247,7 @@ class TransformersVisionEncoder:
                     for key in sorted(keys):
                         component, rest = wanted[key]
                         tensor = reader.get_tensor(key)
-                        for name, value in _rename(
+                        for name, value in renamed(
                             component, rest, tensor, original_layout, num_heads
                         ):
                             name_in_module = f"{component}.{name}"
@@ -384,70 +369,6 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     return files
 
 
-def _component(key: str, is_full: bool) -> tuple[str, str] | None:
-    """Which module a checkpoint key belongs to (and the rest of its name), or None if LM."""
-    name = key.removeprefix("model.")
-    for component in ("vision_tower", "mm_projector"):
-        if name.startswith(component + "."):
-            if component == "mm_projector" and not is_full:
-                return None
-            return component, name[len(component) + 1 :]
-    if is_full:
-        return None
-    return "vision_tower", key  # a standalone Kimi_K25VisionModel: unprefixed names
-
-
-def _strip_encoder(rest: str) -> str:
-    """``encoder.blocks.3.wo`` -> ``layers.3.wo``: the original layout nests MoonViT's blocks."""
-    rest = rest.removeprefix("encoder.")
-    return "layers." + rest[len("blocks.") :] if rest.startswith("blocks.") else rest
-
-
-def _rename(
-    component: str, rest: str, tensor: torch.Tensor, original_layout: bool, num_heads: int
-) -> Iterable[tuple[str, torch.Tensor]]:
-    """Checkpoint name and tensor -> (module name, tensor) pairs, as transformers' load does."""
-    if component == "mm_projector":
-        for old, new in _PROJECTOR_RENAMES.items():
-            if rest.startswith(old):
-                rest = new + rest[len(old) :]
-        yield rest, tensor
-        return
-    rest = _strip_encoder(rest)
-    if rest == "patch_embed.pos_emb.weight":
-        yield "patch_embed.pos_emb.position_embeddings", tensor
-        return
-    if not original_layout:
-        yield rest, tensor
-        return
-    fused = _FUSED_QKV.match(rest)
-    if fused:
-        layer, kind = fused.groups()
-        query, key, value = torch.chunk(tensor, 3, dim=0)
-        yield f"layers.{layer}.attn.q_proj.{kind}", _interleaved_to_half(query, num_heads)
-        yield f"layers.{layer}.attn.k_proj.{kind}", _interleaved_to_half(key, num_heads)
-        yield f"layers.{layer}.attn.v_proj.{kind}", value.contiguous()
-        return
-    for pattern, replacement in _ORIGINAL_RENAMES:
-        renamed, count = pattern.subn(replacement, rest)
-        if count:
-            yield renamed, tensor
-            return
-    yield rest, tensor
-
-
-def _interleaved_to_half(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Per head, rows (x0,y0,x1,y1,...) -> (x0,x1,...,y0,y1,...): complex RoPE to rotate-half.
-
-    The same permutation as transformers' ``PermuteForRope`` (forward direction).
-    """
-    rows = tensor.shape[0]
-    half = rows // num_heads // 2
-    tail = tensor.shape[1:]
-    permuted = tensor.reshape(num_heads, half, 2, *tail).transpose(1, 2)
-    return permuted.reshape(rows, *tail).contiguous()
-
-
 def _check_state(
     path: Path,
     state: Mapping[str, torch.Tensor],
@@ -500,94 +421,3 @@ def _materialise_buffers(module: nn.Module, device: torch.device) -> None:
     ]
     if leftover:  # a transformers change we do not know how to initialise
         raise EncoderLoadError(f"tensors left uninitialised after loading: {leftover[:5]}")
-
-
-def _preprocessor_settings(path: Path, config: Any, vision_config: Any) -> dict[str, Any]:
-    """Field by field: checkpoint preprocessor config, then model config, then processor defaults.
-
-    Two preprocessor formats exist: the hub's ``media_proc_cfg`` (in_patch_limit,
-    patch_limit_on_one_side, merge_kernel_size, ...) and transformers' ``Kimi_K25ImageProcessor``
-    keys (max_patches, size.max_height, merge_size, ...; ``processor_config.json`` nests them
-    under ``image_processor``). ``max_side`` counts patches, like ``patch_limit_on_one_side``.
-    """
-    from transformers import Kimi_K25ImageProcessor
-
-    sources: list[dict[str, Any]] = [_from_processor_file(path)]
-    model: dict[str, Any] = {
-        "patch_size": vision_config.patch_size,
-        "merge_size": _merge_size(vision_config.merge_kernel_size),
-    }
-    media = getattr(config, "media_proc_cfg", None)
-    if isinstance(media, Mapping):
-        model = _from_media_proc_cfg(media) | model
-    sources.append(model)
-    defaults = Kimi_K25ImageProcessor
-    sources.append(
-        {
-            "patch_size": defaults.patch_size,
-            "merge_size": defaults.merge_size,
-            "max_patches": defaults.max_patches,
-            "max_side": defaults.size["max_height"],
-            "image_mean": defaults.image_mean,
-            "image_std": defaults.image_std,
-        }
-    )
-    settings: dict[str, Any] = {}
-    for field in ("patch_size", "merge_size", "max_patches", "max_side", "image_mean", "image_std"):
-        value = next(source[field] for source in sources if source.get(field) is not None)
-        if field in ("image_mean", "image_std"):
-            value = [float(v) for v in (value if isinstance(value, Iterable) else [value] * 3)]
-        else:
-            value = int(value)
-        settings[field] = value
-    return settings
-
-
-def _from_processor_file(path: Path) -> dict[str, Any]:
-    """The first preprocessor JSON in the directory, normalised to our field names."""
-    for file_name in _PREPROCESSOR_FILES:
-        file = path / file_name
-        if not file.is_file():
-            continue
-        try:
-            data = json.loads(file.read_text("utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            raise EncoderLoadError(f"{file}: not a readable JSON file") from exc
-        if not isinstance(data, dict):
-            raise EncoderLoadError(f"{file}: not a JSON object")
-        if isinstance(data.get("image_processor"), dict):
-            data = data["image_processor"]
-        if isinstance(data.get("media_proc_cfg"), dict):
-            return _from_media_proc_cfg(data["media_proc_cfg"])
-        size = data.get("size") if isinstance(data.get("size"), dict) else {}
-        return {
-            "patch_size": data.get("patch_size"),
-            "merge_size": _merge_size(data.get("merge_size")),
-            "max_patches": data.get("max_patches"),
-            "max_side": size.get("max_height"),
-            "image_mean": data.get("image_mean"),
-            "image_std": data.get("image_std"),
-        }
-    return {}
-
-
-def _from_media_proc_cfg(media: Mapping[str, Any]) -> dict[str, Any]:
-    """The hub (remote-code) processor block: Kimi's own names for the same settings."""
-    return {
-        "patch_size": media.get("patch_size"),
-        "merge_size": _merge_size(media.get("merge_kernel_size")),
-        "max_patches": media.get("in_patch_limit"),
-        "max_side": media.get("patch_limit_on_one_side"),
-        "image_mean": media.get("image_mean"),
-        "image_std": media.get("image_std"),
-    }
-
-
-def _merge_size(value: Any) -> int | None:
-    """``2`` or ``[2, 2]`` -> 2; a non-square kernel has no single merge size."""
-    if value is None or isinstance(value, int):
-        return value
-    values = [int(v) for v in value]
-    if len(set(values)) != 1:
-        raise EncoderLoadError(f"non-square merge kernel {values} is not supported")
-    return values[0]
