@@ -1,8 +1,6 @@
-"""Reading a Kimi checkpoint directory's settings, and the error for one that cannot load.
+"""A Kimi checkpoint directory's preprocessing settings, and the error for one that cannot load.
 
-Preprocessing settings as the checkpoint states them.
-
-The order of trust: the checkpoint's own preprocessor file (the hub's
+The order of trust for settings: the checkpoint's own preprocessor file (the hub's
 ``media_proc_cfg`` or transformers' processor keys), then the model config,
 then ``Kimi_K25ImageProcessor``'s defaults.
 """
