@@ -30,8 +30,24 @@ fi
   echo "== CUDA tests (the CPU conformance tests run too: they are the reference)"
   timeout 150 python3 -m pytest -q -p no:cacheprovider \
     tests/test_kimi_preprocessor.py tests/test_transformers_encoder.py tests/test_encoder_e2e.py
-  echo "== P4 preprocessing: CUDA vs CPU"
-  timeout 60 python3 benchmarks/p4_kimi_preprocess.py --quick --device cuda
+  echo "== P4 preprocessing: ours vs transformers on the CPU, then ours on CUDA vs ours on the CPU"
+  timeout 90 python3 benchmarks/p4_kimi_preprocess.py --quick
+  timeout 60 python3 - <<'PY'
+import time, numpy as np, torch
+from PIL import Image
+from modalgate.encoder_adapter.kimi import KimiPreprocessor
+image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (1080, 1920, 3), np.uint8))
+cpu, gpu = KimiPreprocessor(max_patches=65536), KimiPreprocessor(max_patches=65536, device="cuda")
+def best(run, sync=False, n=20):
+    times = []
+    for _ in range(n):
+        start = time.perf_counter(); run(); torch.cuda.synchronize() if sync else None
+        times.append(time.perf_counter() - start)
+    return min(times)
+gpu([image]); torch.cuda.synchronize()
+c, g = best(lambda: cpu([image])), best(lambda: gpu([image]), sync=True)
+print(f"1920x1080: cpu {c*1e3:.2f} ms, cuda {g*1e3:.2f} ms, cpu/cuda {c/g:.2f}")
+PY
   echo "== P5 batched encode, Kimi-K2.5-size tower on the GPU (target >= 3)"
   timeout 120 python3 benchmarks/p5_batched_encode.py --quick --realistic --device cuda --side 448
 } 2>&1 | tee "$OUT_DIR/gpu_check.log"
