@@ -22,10 +22,6 @@ class DataUrl:
     payload: str
 
 
-def is_data_url(url: str) -> bool:
-    return url[:5].lower() == "data:"
-
-
 def parse_data_url(url: str) -> DataUrl | None:
     """Split ``data:[<mime>][;params][;base64],<payload>``; ``None`` if there is no comma."""
     comma = url.find(",", 5, 5 + 1024)
