@@ -20,6 +20,8 @@ SCRIPTS = (
     "p1_middleware_overhead.py",
     "p2_validate_vs_json_loads.py",
     "p3_vs_naive_validator.py",
+    "p4_kimi_preprocess.py",
+    "p5_batched_encode.py",
     "m1_fetch_overhead.py",
     "m2_decode_throughput.py",
 )
