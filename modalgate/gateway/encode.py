@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import pybase64
 from starlette.requests import Request
 from starlette.responses import Response
@@ -69,7 +70,9 @@ def encode_endpoint(default: EncoderAdapter | None, by_spec: dict[str, EncoderAd
         ]
         if violations:
             return _error(*violations)
-        return Response(_body(verdict, images, outcome), media_type="application/json")
+        # Embeddings run to megabytes: serialising them is work for a thread, not the loop.
+        body = await anyio.to_thread.run_sync(_body, verdict, images, outcome)
+        return Response(body, media_type="application/json")
 
     return endpoint
 
@@ -83,7 +86,7 @@ async def _unless_disconnected(
     async def encode() -> None:
         nonlocal outcome
         try:
-            outcome = await adapter.encode([part.data for part in images if part.data])
+            outcome = await adapter.encode([part.data or b"" for part in images])
         except Overloaded as exc:
             outcome = exc
         group.cancel_scope.cancel()

@@ -122,7 +122,11 @@ class _GatedRequest:
         if verdict.accepted and verdict.remote_parts:
             await self.media.fetch(verdict)
             if verdict.accepted and self.media.inline:
-                body = await self.gate.run_cpu(len(body), self.media.inlined_body, verdict)
+                # The cost is the fetched bytes' base64, not the (small) request body.
+                fetched = sum(len(p.data or b"") for p in verdict.remote_parts)
+                body = await self.gate.run_cpu(
+                    len(body) + fetched, self.media.inlined_body, verdict
+                )
                 scope = dict(scope, headers=_with_content_length(scope, len(body)))
         if not verdict.accepted:
             await send_error(send, verdict.violations)
