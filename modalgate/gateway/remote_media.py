@@ -19,17 +19,8 @@ from modalgate.validators import MediaPart, Verdict, check_fetched
 
 class MediaStage:
     def __init__(self, rules: MediaUrls) -> None:
-        self.enabled = rules.fetch
         self.inline = rules.fetch and rules.inline_fetched
-        self.fetcher = (
-            MediaFetcher(
-                rules,
-                max_connections=rules.max_connections,
-                max_per_host=rules.max_connections_per_host,
-            )
-            if rules.fetch
-            else None
-        )
+        self.fetcher = MediaFetcher(rules) if rules.fetch else None
 
     async def fetch(self, verdict: Verdict) -> None:
         """Fetch every remote part at once; failures and content problems become violations."""

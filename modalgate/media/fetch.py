@@ -115,11 +115,10 @@ class MediaFetcher:
         rules: MediaUrls,
         *,
         verify: ssl.SSLContext | bool = True,
-        max_connections: int = 64,
-        max_per_host: int = 8,
         resolver: Resolver = system_resolver,
     ) -> None:
         self.rules = rules
+        max_connections = rules.max_connections
         self._resolver = resolver
         self._client = httpx.AsyncClient(
             transport=_PinnedTransport(verify, max_connections),
@@ -135,7 +134,7 @@ class MediaFetcher:
         # fast_acquire: a free slot costs no trip through the event loop (each trip
         # made httpcore's pool race for idle connections more often under load).
         self._all = anyio.Semaphore(max_connections, fast_acquire=True)
-        self._max_per_host = max_per_host
+        self._max_per_host = rules.max_connections_per_host
         self._per_host: dict[str, anyio.Semaphore] = {}
 
     async def fetch(self, url: str, *, max_bytes: int, modality: str = "image") -> Fetched:
