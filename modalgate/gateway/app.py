@@ -1,30 +1,199 @@
-"""The standalone gateway app behind ``modalgate serve``.
+"""The standalone gateway behind ``modalgate serve``, and the app factory other servers import.
 
-Until the upstream proxy lands, the gateway answers the chat paths itself: an
-accepted request gets its verdict (200), a refused one the error (4xx) that
-ModalGate sends before this app ever sees it. With an encoder adapter it also
-serves ``POST /v1/encode`` (the encoder of an Encode/Prefill/Decode split).
+The stack, outermost first: RequestId (ids, access log) -> ModalGate (validate,
+fetch) -> the router. The router answers the gateway's own paths (/healthz,
+/readyz, /metrics, /v1/validate, /v1/encode) and hands every other request to
+the upstream proxy, after the encoder-side rewrite for rules that ask for it.
+Without an upstream, the chat paths answer with the verdict itself (a
+validation service) and other paths are 404.
+
+``create_app()`` with no arguments reads ``MODALGATE_*`` variables, so any ASGI
+server can serve it: ``uvicorn --factory modalgate.gateway.app:create_app``,
+``hypercorn 'modalgate.gateway.app:create_app()'``,
+``granian --interface asgi --factory modalgate.gateway.app:create_app``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from os import PathLike
 
-from starlette.applications import Starlette
+import anyio
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
-from starlette.types import ASGIApp
+from starlette.routing import Route, Router
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modalgate.encoder_adapter import EncoderAdapter, create_encoder
 from modalgate.gateway.encode import ENCODE_PATH, encode_endpoint
+from modalgate.gateway.forward import Forwarder
+from modalgate.gateway.health import Readiness
+from modalgate.gateway.logs import log_outcome
+from modalgate.gateway.metrics import GatewayMetrics, metrics_endpoint
 from modalgate.gateway.middleware import DEFAULT_PATHS, ModalGate, get_verdict
+from modalgate.gateway.outcome import GateOutcome
+from modalgate.gateway.proxy import UpstreamProxy, UpstreamSettings
+from modalgate.gateway.reload import PolicyReloader
+from modalgate.gateway.request_id import RequestId
 from modalgate.gateway.responses import json_bytes
+from modalgate.gateway.settings import GatewaySettings, load_settings
 from modalgate.policy import Policy, load_policy
 
 VALIDATE_PATH = "/v1/validate"
+RETIRED_STAGE_GRACE_S = 60.0  # a replaced fetcher closes once requests using it are done
+logger = logging.getLogger("modalgate.gateway")
+
+
+class Gateway:
+    """Every part of one gateway, built from one policy and one settings object."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        settings: GatewaySettings,
+        encoder: EncoderAdapter | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = GatewayMetrics()
+        self.adapters_by_spec = _encoders_for(policy, settings.mode)
+        self.default_encoder = encoder
+        problems = self.encoder_problems(policy)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.proxy = (
+            UpstreamProxy(
+                settings.upstream,
+                UpstreamSettings(
+                    connect_timeout_s=settings.upstream_connect_timeout_s,
+                    read_timeout_s=settings.upstream_read_timeout_s,
+                    max_connections=settings.upstream_max_connections,
+                ),
+                on_upstream=lambda s, status, code: self.metrics.observe_upstream(s, status, code),
+            )
+            if settings.upstream
+            else None
+        )
+        self.readiness = Readiness(self.proxy, settings.upstream_health_path)
+        self.forwarder = Forwarder(self.proxy, self.adapter_for) if self.proxy else None
+        self.router = Router(routes=self._routes(), lifespan=self._lifespan)
+        if self.forwarder is not None:
+            self.router.default = self.forwarder
+        paths = [VALIDATE_PATH, *DEFAULT_PATHS]
+        if self.adapters:
+            paths.append(ENCODE_PATH)
+        self.gate = ModalGate(
+            self.router, policy=policy, mode=settings.mode, paths=paths, on_outcome=self._observe
+        )
+        self.reloader = (
+            PolicyReloader(
+                settings.policy,
+                self.apply_policy,
+                check=self.encoder_problems,
+                on_result=self.metrics.policy_reload,
+            )
+            if settings.policy
+            else None
+        )
+        self.app: ASGIApp = RequestId(self.gate, access_log=settings.access_log)
+        for spec, adapter in self.adapters_by_spec.items():
+            self.metrics.watch_encoder(adapter, spec.partition(":")[0])
+        if encoder is not None:
+            self.metrics.watch_encoder(encoder, encoder.name)
+        self._group: anyio.abc.TaskGroup | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+    @property
+    def adapters(self) -> list[EncoderAdapter]:
+        default = [self.default_encoder] if self.default_encoder is not None else []
+        return [*self.adapters_by_spec.values(), *default]
+
+    def adapter_for(self, spec: str | None) -> EncoderAdapter | None:
+        if spec:
+            return self.adapters_by_spec.get(spec, self.default_encoder)
+        return self.default_encoder
+
+    def encoder_problems(self, policy: Policy) -> list[str]:
+        """Rules this process could not serve: an encoder named after start, or embeds
+        with no encoder at all. A reload that brings them is refused."""
+        problems = []
+        for rule in policy.models:
+            if rule.mode not in (None, self.settings.mode):
+                continue
+            if rule.encoder and rule.encoder not in self.adapters_by_spec:
+                problems.append(
+                    f"rule {rule.name!r}: encoder {rule.encoder!r} was not loaded at start "
+                    "(encoders change on restart)"
+                )
+            elif getattr(rule, "embeds", None) and self.adapter_for(rule.encoder) is None:
+                problems.append(
+                    f"rule {rule.name!r}: embeds needs an encoder (encoder: or --encoder)"
+                )
+        return problems
+
+    def apply_policy(self, policy: Policy) -> None:
+        retired = self.gate.media
+        self.gate.set_policy(policy, self.settings.mode)
+        if self._group is not None:
+            self._group.start_soon(_close_later, retired)
+
+    def _observe(self, outcome: GateOutcome) -> None:
+        self.metrics.observe_outcome(outcome)
+        log_outcome(outcome)
+
+    def _routes(self) -> list[Route]:
+        routes = [
+            Route("/healthz", _healthz, methods=["GET", "HEAD"]),
+            Route("/readyz", self.readiness.endpoint, methods=["GET", "HEAD"]),
+            Route(self.settings.metrics_path, metrics_endpoint(self.metrics), methods=["GET"]),
+            Route(VALIDATE_PATH, _verdict, methods=["POST"]),
+        ]
+        if self.proxy is None:
+            routes += [Route(p, _verdict, methods=["POST"]) for p in DEFAULT_PATHS]
+        if self.adapters:
+            routes.append(
+                Route(
+                    ENCODE_PATH,
+                    encode_endpoint(self.default_encoder, self.adapters_by_spec),
+                    methods=["POST"],
+                )
+            )
+        return routes
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: object) -> AsyncIterator[None]:
+        for adapter in self.adapters:
+            await adapter.warmup()
+        self.readiness.encoders_warm = True
+        try:
+            async with anyio.create_task_group() as group:
+                self._group = group
+                if self.reloader is not None:
+                    group.start_soon(self.reloader.run, self.settings.watch_policy)
+                try:
+                    yield
+                finally:
+                    self._group = None
+                    group.cancel_scope.cancel()
+        finally:
+            if self.proxy is not None:
+                await self.proxy.aclose()
+            for adapter in self.adapters:
+                await adapter.close()
+
+
+async def _close_later(stage: object) -> None:
+    with anyio.CancelScope(shield=False):
+        await anyio.sleep(RETIRED_STAGE_GRACE_S)
+    await stage.aclose()  # type: ignore[attr-defined]
+
+
+def _encoders_for(policy: Policy, mode: str | None) -> dict[str, EncoderAdapter]:
+    specs = {r.encoder for r in policy.models if r.encoder and r.mode in (None, mode)}
+    return {spec: create_encoder(spec) for spec in sorted(specs)}
 
 
 async def _verdict(request: Request) -> Response:
@@ -42,29 +211,24 @@ def create_app(
     policy: Policy | str | PathLike[str] | None = None,
     mode: str | None = None,
     encoder: EncoderAdapter | None = None,
-) -> ASGIApp:
-    """The gateway app; ``encoder`` serves /v1/encode for rules without their own ``encoder:``."""
-    if not isinstance(policy, Policy):
-        policy = load_policy(policy)
-    paths = [VALIDATE_PATH, *DEFAULT_PATHS]
-    routes = [Route(p, _verdict, methods=["POST"]) for p in paths]
-    routes.append(Route("/healthz", _healthz, methods=["GET"]))
-    specs = {r.encoder for r in policy.models if r.encoder and r.mode in (None, mode)}
-    by_spec = {spec: create_encoder(spec) for spec in sorted(specs)}
-    adapters = [*by_spec.values(), *([encoder] if encoder is not None else [])]
-    if adapters:
-        routes.append(Route(ENCODE_PATH, encode_endpoint(encoder, by_spec), methods=["POST"]))
-        paths.append(ENCODE_PATH)
+    *,
+    upstream: str | None = None,
+    settings: GatewaySettings | None = None,
+) -> Gateway:
+    """The gateway app. Arguments given here win over ``MODALGATE_*`` variables, which win
+    over the policy file's ``server:`` section; ``encoder`` serves rules without their own."""
+    if settings is None:
+        flags = {"mode": mode, "upstream": upstream}
+        if policy is not None and not isinstance(policy, Policy):
+            flags["policy"] = str(policy)
+        from modalgate.gateway.settings import policy_location
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        for adapter in adapters:
-            await adapter.warmup()
-        try:
-            yield
-        finally:
-            for adapter in adapters:
-                await adapter.close()
-
-    inner = Starlette(routes=routes, lifespan=lifespan)
-    return ModalGate(inner, policy=policy, mode=mode, paths=paths)
+        location = policy_location(flags)
+        if not isinstance(policy, Policy):
+            policy = load_policy(location)
+        settings = load_settings(
+            {**flags, "policy": location}, policy.server.model_dump(exclude_none=True)
+        )
+    elif not isinstance(policy, Policy):
+        policy = load_policy(policy if policy is not None else settings.policy)
+    return Gateway(policy, settings, encoder)

@@ -35,16 +35,51 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    serve = commands.add_parser("serve", help="run the gateway (HTTP)")
+    serve = commands.add_parser(
+        "serve",
+        help="run the gateway (HTTP); in front of a model server with --upstream",
+        description="Flags win over MODALGATE_* environment variables, which win over the "
+        "policy file's server: section. See docs/deploy.md.",
+    )
     _policy_args(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    serve.add_argument("--log-level", default="info", help="uvicorn log level")
+    serve.add_argument("--upstream", metavar="URL", help="the model server to forward to")
+    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument(
         "--encoder",
         metavar="NAME[:ARG]",
-        help="serve POST /v1/encode with this encoder adapter, e.g. kimi:/models/kimi-vit",
+        help="encoder adapter for /v1/encode and embeds rewrites, e.g. kimi:/models/kimi-vit",
     )
+    serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--log-format", choices=["json", "text"], help="default json")
+    serve.add_argument(
+        "--access-log", action=argparse.BooleanOptionalAction, help="one line per request"
+    )
+    serve.add_argument(
+        "--watch-policy",
+        action=argparse.BooleanOptionalAction,
+        help="reload the policy file when it changes (SIGHUP always reloads)",
+    )
+    serve.add_argument(
+        "--grace-period",
+        dest="grace_period_s",
+        type=float,
+        metavar="S",
+        help="on SIGTERM, seconds to let requests and streams in flight finish (default 30)",
+    )
+    serve.add_argument("--metrics-path", help="where Prometheus scrapes (default /metrics)")
+    serve.add_argument(
+        "--upstream-connect-timeout", dest="upstream_connect_timeout_s", type=float, metavar="S"
+    )
+    serve.add_argument(
+        "--upstream-read-timeout",
+        dest="upstream_read_timeout_s",
+        type=float,
+        metavar="S",
+        help="longest silence between two chunks of a response (default 300)",
+    )
+    serve.add_argument("--upstream-max-connections", type=int, metavar="N")
+    serve.add_argument("--upstream-health-path", metavar="PATH", help="default /health")
     serve.set_defaults(run=_serve)
 
     validate = commands.add_parser(
@@ -81,23 +116,67 @@ def _load(args: argparse.Namespace) -> Policy | None:
         return None
 
 
+_SERVE_FLAGS = (
+    "policy",
+    "mode",
+    "upstream",
+    "encoder",
+    "host",
+    "port",
+    "log_level",
+    "log_format",
+    "access_log",
+    "watch_policy",
+    "grace_period_s",
+    "metrics_path",
+    "upstream_connect_timeout_s",
+    "upstream_read_timeout_s",
+    "upstream_max_connections",
+    "upstream_health_path",
+)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
+    from pydantic import ValidationError
 
     from modalgate.encoder_adapter import create_encoder
-    from modalgate.gateway.app import create_app
+    from modalgate.gateway.app import Gateway
+    from modalgate.gateway.logs import configure_logging, uvicorn_log_config
+    from modalgate.gateway.settings import load_settings, policy_location
 
-    policy = _load(args)
-    if policy is None:
-        return EXIT_USAGE
+    flags = {name: getattr(args, name) for name in _SERVE_FLAGS}
+    flags["policy"] = policy_location(flags)
     try:
-        encoder = create_encoder(args.encoder) if args.encoder else None
-        app = create_app(policy=policy, mode=args.mode, encoder=encoder)
+        policy = load_policy(flags["policy"])
+        settings = load_settings(flags, policy.server.model_dump(exclude_none=True))
+    except PolicyError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
+    except ValidationError as exc:
+        for error in exc.errors():
+            where = ".".join(str(p) for p in error["loc"])
+            print(f"setting {where}: {error['msg']}", file=sys.stderr)
+        return EXIT_USAGE
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        encoder = create_encoder(settings.encoder) if settings.encoder else None
+        gateway = Gateway(policy, settings, encoder)
     except (LookupError, ValueError, OSError, RuntimeError) as exc:
         # An encoder that cannot load is an operator's problem: one line, no traceback.
-        print(f"cannot start the encoder: {exc}", file=sys.stderr)
+        print(f"cannot start: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(
+        gateway,
+        host=settings.host,
+        port=settings.port,
+        log_config=uvicorn_log_config(settings.log_level, settings.log_format),
+        access_log=False,  # RequestId writes the access log, with the request id
+        timeout_graceful_shutdown=settings.grace_period_s,
+        server_header=False,  # the upstream's own Server and Date headers pass through
+        date_header=False,
+        lifespan="on",
+    )
     return EXIT_OK
 
 

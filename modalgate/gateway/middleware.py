@@ -9,7 +9,8 @@ so ``http.disconnect`` still arrives when the client goes away.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
 from os import PathLike
 from typing import TypeVar
 
@@ -18,6 +19,7 @@ import anyio.to_thread
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, payload_too_large
+from modalgate.gateway.outcome import GateOutcome, OutcomeObserver
 from modalgate.gateway.remote_media import MediaStage
 from modalgate.gateway.responses import send_error
 from modalgate.policy import Policy, RuleMatcher, load_policy
@@ -39,8 +41,10 @@ class ModalGate:
         mode: str | None = None,
         paths: Iterable[str] = DEFAULT_PATHS,
         validation_threads: int = 4,
+        on_outcome: OutcomeObserver | None = None,
     ) -> None:
         self.app = app
+        self.on_outcome = on_outcome
         self.paths = frozenset(p.rstrip("/") or "/" for p in paths)
         self.validation_threads = validation_threads
         self._limiter: anyio.CapacityLimiter | None = None
@@ -111,14 +115,18 @@ class _GatedRequest:
         self.read_cap = read_cap
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.started = time.perf_counter()
+        self.path = scope["path"]
         refusal = _header_refusal(_body_headers(scope), self.read_cap)
         if refusal is not None:
+            self._report(None, [refusal], 0)
             await send_error(send, [refusal])
             return
         body = await self._read_body(receive, send)
         if body is None:
             return
         verdict = await self.gate.run_cpu(len(body), validate_body, body, self.matcher)
+        received = len(body)
         if verdict.accepted and verdict.remote_parts:
             await self.media.fetch(verdict)
             if verdict.accepted and self.media.inline:
@@ -128,11 +136,31 @@ class _GatedRequest:
                     len(body) + fetched, self.media.inlined_body, verdict
                 )
                 scope = dict(scope, headers=_with_content_length(scope, len(body)))
+        self._report(verdict, verdict.violations, received)
         if not verdict.accepted:
             await send_error(send, verdict.violations)
             return
         scope.setdefault("state", {})[VERDICT_STATE_KEY] = verdict
         await self.gate.app(scope, _replay(body, receive), send)
+
+    def _report(
+        self, verdict: Verdict | None, violations: Sequence[Violation], body_bytes: int
+    ) -> None:
+        if self.gate.on_outcome is None:
+            return
+        rule = verdict.rule if verdict is not None else None
+        self.gate.on_outcome(
+            GateOutcome(
+                accepted=not violations,
+                violations=tuple(violations),
+                model=verdict.model if verdict is not None else None,
+                mode=self.matcher.mode,
+                rule=rule.name if rule is not None and rule.known else None,
+                body_bytes=body_bytes,
+                seconds=time.perf_counter() - self.started,
+                path=self.path,
+            )
+        )
 
     async def _read_body(self, receive: Receive, send: Send) -> bytes | None:
         """The whole body, or None once a 413 is sent or the client has gone."""
@@ -145,7 +173,9 @@ class _GatedRequest:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.read_cap:
-                await send_error(send, [payload_too_large(self.read_cap)])
+                refusal = payload_too_large(self.read_cap)
+                self._report(None, [refusal], size)
+                await send_error(send, [refusal])
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):

@@ -114,6 +114,44 @@ class MediaUrls(_Strict):
         return tuple(h.lower().rstrip(".") for h in hosts)
 
 
+class Server(_Strict):
+    """Gateway settings a policy file may carry: the lowest precedence, under flags and
+    ``MODALGATE_*`` variables (see docs/deploy.md). Read at start, not on reload."""
+
+    upstream: str | None = None
+    upstream_connect_timeout_s: float | None = Field(None, gt=0)
+    upstream_read_timeout_s: float | None = Field(None, gt=0)
+    upstream_max_connections: int | None = Field(None, gt=0)
+    upstream_health_path: str | None = None
+    grace_period_s: float | None = Field(None, ge=0)
+    watch_policy: bool | None = None
+    metrics_path: str | None = None
+    access_log: bool | None = None
+    log_format: Literal["json", "text"] | None = None
+    log_level: Literal["critical", "error", "warning", "info", "debug"] | None = None
+
+
+EmbedsDtype = Literal["float32", "bfloat16", "float16"]
+
+
+class EmbedsSpec(_Strict):
+    """Encode a rule's accepted images at the gateway; the upstream gets ``image_embeds`` parts.
+
+    vLLM (``--enable-mm-embeds``) takes, per image, base64 of a ``torch.save``d tensor
+    ``[tokens, hidden]``: alone (string form), or for families whose positions need the
+    patch grid (Qwen2-VL's mRoPE) in an object next to a ``(3,)`` int64 ``t, h, w`` grid.
+    Which form and which keys a family wants is data here, so a new family is a policy
+    edit, not a code change. ``hidden_size``, when set, refuses embeddings of the wrong
+    width at the gateway: vLLM documents that a wrong shape may crash its engine.
+    """
+
+    format: Literal["vllm"] = "vllm"
+    dtype: EmbedsDtype = "float32"
+    embeds_key: str = Field("image_embeds", min_length=1)
+    grid_key: str | None = Field(None, min_length=1)
+    hidden_size: int | None = Field(None, gt=0)
+
+
 class ModelRule(_Strict):
     name: str = Field(min_length=1)
     match: tuple[str, ...] = ()
@@ -126,6 +164,24 @@ class ModelRule(_Strict):
     # Encoder adapter for /v1/encode, as NAME[:ARG] (e.g. "kimi:/models/kimi-k3-vit").
     encoder: str | None = None
     source: str | None = None
+    # Encode accepted images here and forward image_embeds parts (docs/embeds.md).
+    embeds: EmbedsSpec | None = None
+
+    @model_validator(mode="after")
+    def _embeds_replace_images_only(self) -> ModelRule:
+        """A rewrite with no images to rewrite is a mistake; client embeddings next to a
+        rewrite would let clients feed the upstream raw tensors (the gateway's to send)."""
+        if self.embeds is not None and "image" not in self.accepts:
+            raise PydanticCustomError(
+                "embeds_without_images", "'embeds' needs 'image' in 'accepts': nothing to encode"
+            )
+        if self.embeds is not None and "embeddings" in self.accepts:
+            raise PydanticCustomError(
+                "embeds_with_client_embeddings",
+                "a rule with 'embeds' must not accept client 'embeddings': only the gateway"
+                " may send the upstream precomputed embeddings",
+            )
+        return self
 
 
 class Policy(_Strict):
@@ -135,6 +191,7 @@ class Policy(_Strict):
     limits: Limits = Limits()
     media_roles: tuple[Role, ...] = ("user",)
     media_urls: MediaUrls = MediaUrls()
+    server: Server = Server()
     models: tuple[ModelRule, ...] = ()
 
     @field_validator("models")

@@ -1,0 +1,39 @@
+"""What the gate decided about one request, for whoever observes it (metrics, logs).
+
+The gate reports outcomes through a plain callback, so it knows nothing of
+Prometheus or logging; the standalone app plugs both in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from modalgate.errors import Violation, status_of
+
+
+@dataclass(frozen=True, slots=True)
+class GateOutcome:
+    accepted: bool
+    violations: Sequence[Violation]
+    model: str | None  # as the client sent it (may be anything: never a metric label)
+    mode: str | None
+    rule: str | None  # the matched rule's name, None for an unknown model: bounded, label-safe
+    body_bytes: int
+    seconds: float  # read + validate + fetch, up to the forward or the error
+    path: str = ""
+
+    @property
+    def status(self) -> int:
+        return status_of(self.violations) if self.violations else 200
+
+    @property
+    def code(self) -> str | None:
+        return str(self.violations[0].code) if self.violations else None
+
+    @property
+    def param(self) -> str | None:
+        return self.violations[0].param if self.violations else None
+
+
+OutcomeObserver = Callable[[GateOutcome], None]

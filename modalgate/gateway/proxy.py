@@ -1,0 +1,305 @@
+"""The reverse proxy to the model server: one pooled httpx client, bodies streamed both ways.
+
+Invisible when requests are clean: the request body goes upstream as it
+arrives (or as the gate rewrote it), the response comes back chunk by chunk as
+the upstream writes it (SSE included, raw bytes, no decompression), and every
+header but the hop-by-hop ones passes both ways. The proxy speaks only for
+itself: a refused connection is a 502 ``upstream_unavailable``, a timeout a 504
+``upstream_timeout``; an upstream's own 4xx/5xx passes through untouched.
+When the client goes away, the upstream request is closed with it, so the
+model server stops generating for nobody.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import anyio
+import httpx
+import orjson
+from starlette.types import Message, Receive, Scope, Send
+
+from modalgate.errors import ErrorCode, Violation, error_body
+from modalgate.gateway.responses import send_error
+
+logger = logging.getLogger("modalgate.proxy")
+
+# RFC 9110 section 7.6.1, plus the de-facto ones proxies drop.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+# Request headers the proxy sets itself: httpx writes Host from the upstream URL.
+_REPLACED_REQUEST = frozenset({b"host"})
+
+UpstreamObserver = Callable[[float, "int | None", "str | None"], None]
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamSettings:
+    connect_timeout_s: float = 5.0
+    # Between two reads, not in total: a long generation streams for minutes.
+    read_timeout_s: float = 300.0
+    write_timeout_s: float = 60.0
+    max_connections: int = 512
+
+
+class UpstreamError(Exception):
+    def __init__(self, violation: Violation) -> None:
+        super().__init__(violation.message)
+        self.violation = violation
+
+
+class UpstreamProxy:
+    """A pure ASGI app that forwards every HTTP request to ``base_url``."""
+
+    def __init__(
+        self,
+        base_url: str,
+        settings: UpstreamSettings | None = None,
+        *,
+        on_upstream: UpstreamObserver | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        url = httpx.URL(base_url)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError(f"the upstream must be an http(s) URL, not {base_url!r}")
+        self.base_url = url
+        self.settings = settings = settings or UpstreamSettings()
+        self.on_upstream = on_upstream
+        self._prefix = url.raw_path.split(b"?", 1)[0].rstrip(b"/")
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(
+                connect=settings.connect_timeout_s,
+                read=settings.read_timeout_s,
+                write=settings.write_timeout_s,
+                pool=settings.connect_timeout_s,
+            ),
+            limits=httpx.Limits(
+                max_connections=settings.max_connections,
+                max_keepalive_connections=settings.max_connections,
+            ),
+            follow_redirects=False,
+            trust_env=False,  # HTTP(S)_PROXY must not silently reroute model traffic
+            transport=transport,
+        )
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1003})
+            return
+        await _Exchange(self, scope, receive, send).run()
+
+    def build_request(self, scope: Scope, receive: Receive) -> httpx.Request:
+        raw_path = scope.get("raw_path") or scope["path"].encode()
+        target = self._prefix + raw_path.split(b"?", 1)[0]
+        query = scope.get("query_string", b"")
+        url = self.base_url.copy_with(raw_path=target + (b"?" + query if query else b""))
+        headers = forwarded_headers(scope)
+        names = {name for name, _ in scope["headers"]}
+        has_body = b"content-length" in names or b"transfer-encoding" in names
+        return self.client.build_request(
+            scope["method"],
+            url,
+            headers=headers,
+            content=_request_body(receive) if has_body else None,
+        )
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request body was still being forwarded."""
+
+
+async def _request_body(receive: Receive) -> AsyncIterator[bytes]:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        if chunk:
+            yield chunk
+        if not message.get("more_body", False):
+            return
+
+
+class _Exchange:
+    """One request and its response, in the manner of Starlette's GZip responder."""
+
+    def __init__(self, proxy: UpstreamProxy, scope: Scope, receive: Receive, send: Send) -> None:
+        self.proxy = proxy
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.started = time.perf_counter()
+        self.client_gone = False
+        self.finished = False  # the last byte is out: a disconnect now is the normal end
+
+    async def run(self) -> None:
+        request = self.proxy.build_request(self.scope, self.receive)
+        try:
+            response = await self.proxy.client.send(request, stream=True)
+        except ClientGone:
+            return
+        except httpx.HTTPError as exc:
+            violation = _violation(exc, self.proxy.settings)
+            self._observe(None, violation.code.value)
+            await send_error(self.send, [violation])
+            return
+        self._observe(response.status_code, None)
+        try:
+            await self._relay(response)
+        finally:
+            await response.aclose()
+
+    async def _relay(self, response: httpx.Response) -> None:
+        await self.send(
+            {
+                "type": "http.response.start",
+                "status": response.status_code,
+                "headers": _response_headers(response.headers.raw),
+            }
+        )
+        async with anyio.create_task_group() as group:
+
+            async def stream() -> None:
+                await self._stream(response)
+                group.cancel_scope.cancel()
+
+            async def watch() -> None:
+                await _wait_for_disconnect(self.receive)
+                self.client_gone = not self.finished
+                group.cancel_scope.cancel()
+
+            group.start_soon(stream)
+            group.start_soon(watch)
+        if self.client_gone:
+            logger.info("client disconnected; upstream request closed")
+
+    async def _stream(self, response: httpx.Response) -> None:
+        tail = b"\n\n"
+        try:
+            async for chunk in response.aiter_raw():
+                if chunk:
+                    await self.send(
+                        {"type": "http.response.body", "body": chunk, "more_body": True}
+                    )
+                    tail = chunk[-2:]
+        except httpx.HTTPError as exc:
+            violation = _violation(exc, self.proxy.settings, started=True)
+            self._observe(response.status_code, violation.code.value)
+            logger.warning("upstream failed mid-response: %s", violation.message)
+            if not _is_event_stream(response):
+                return  # no final body message: the server aborts the response, as it should
+            # SSE: tell the client in the stream, as vLLM does for its own mid-stream errors.
+            event = b"data: " + orjson.dumps(error_body([violation])) + b"\n\n"
+            prefix = b"" if tail.endswith(b"\n\n") else b"\n\n"  # finish a cut-off event
+            self.finished = True
+            await self.send({"type": "http.response.body", "body": prefix + event})
+            return
+        self.finished = True
+        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _observe(self, status: int | None, code: str | None) -> None:
+        if self.proxy.on_upstream is not None:
+            self.proxy.on_upstream(time.perf_counter() - self.started, status, code)
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def forwarded_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
+    """The client's headers minus hop-by-hop ones, plus X-Forwarded-*."""
+    headers = scope["headers"]
+    connection_named = {
+        token.strip().lower()
+        for name, value in headers
+        if name == b"connection"
+        for token in value.split(b",")
+    }
+    kept = [
+        (name, value)
+        for name, value in headers
+        if name not in HOP_BY_HOP and name not in connection_named and name not in _REPLACED_REQUEST
+    ]
+    client = scope.get("client")
+    if client:
+        previous = [value for name, value in headers if name == b"x-forwarded-for"]
+        chain = b", ".join([*previous, client[0].encode()])
+        kept = [(n, v) for n, v in kept if n != b"x-forwarded-for"]
+        kept.append((b"x-forwarded-for", chain))
+    host = next((value for name, value in headers if name == b"host"), None)
+    if host is not None and not any(n == b"x-forwarded-host" for n, _ in kept):
+        kept.append((b"x-forwarded-host", host))
+    if not any(n == b"x-forwarded-proto" for n, _ in kept):
+        kept.append((b"x-forwarded-proto", scope.get("scheme", "http").encode()))
+    return kept
+
+
+def _response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    lowered = [(name.lower(), value) for name, value in raw]
+    connection_named = {
+        token.strip().lower()
+        for name, value in lowered
+        if name == b"connection"
+        for token in value.split(b",")
+    }
+    return [
+        (name, value)
+        for name, value in lowered
+        if name not in HOP_BY_HOP and name not in connection_named
+    ]
+
+
+def _is_event_stream(response: httpx.Response) -> bool:
+    return response.headers.get("content-type", "").startswith("text/event-stream")
+
+
+def _violation(
+    exc: httpx.HTTPError, settings: UpstreamSettings, started: bool = False
+) -> Violation:
+    """A transport failure as modalgate's own error; never the exception's text verbatim."""
+    if isinstance(exc, httpx.PoolTimeout):
+        return Violation(
+            ErrorCode.UPSTREAM_TIMEOUT,
+            f"no connection to the upstream became free within {settings.connect_timeout_s:g} s",
+        )
+    if isinstance(exc, httpx.ConnectTimeout):
+        return Violation(
+            ErrorCode.UPSTREAM_TIMEOUT,
+            f"the upstream did not accept a connection within {settings.connect_timeout_s:g} s",
+        )
+    if isinstance(exc, httpx.TimeoutException):
+        what = "sent nothing more" if started else "did not answer"
+        return Violation(
+            ErrorCode.UPSTREAM_TIMEOUT,
+            f"the upstream {what} within {settings.read_timeout_s:g} s",
+        )
+    if isinstance(exc, httpx.ConnectError):
+        return Violation(ErrorCode.UPSTREAM_UNAVAILABLE, "the upstream refused the connection")
+    if started:
+        return Violation(
+            ErrorCode.UPSTREAM_UNAVAILABLE, "the upstream closed the connection mid-response"
+        )
+    return Violation(
+        ErrorCode.UPSTREAM_UNAVAILABLE, "the upstream closed the connection without answering"
+    )

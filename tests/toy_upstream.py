@@ -1,0 +1,174 @@
+"""A small real OpenAI-compatible server for the proxy tests: Starlette, SSE with delays.
+
+It records what it receives and when it sends each token, so tests can check
+what crossed the gateway and when. Runs in the test process (``serve()``) or
+as its own process: ``python tests/toy_upstream.py --port P --name NAME``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+
+@dataclass
+class Received:
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    raw_headers: list[tuple[str, str]]
+    body: bytes
+
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+
+@dataclass
+class Behaviour:
+    tokens: int = 5
+    token_delay_s: float = 0.0
+    headers_delay_s: float = 0.0  # before the response starts
+    reset_after: int | None = None  # die after this many tokens
+    status: int = 200
+
+
+@dataclass
+class ToyUpstream:
+    name: str = "toy"
+    behaviour: Behaviour = field(default_factory=Behaviour)
+    received: list[Received] = field(default_factory=list)
+    token_sent_at: list[float] = field(default_factory=list)
+    streams_cancelled: int = 0
+    streams_finished: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/health", self._health, methods=["GET"]),
+                Route("/echo/{rest:path}", self._echo, methods=["GET", "POST", "PUT", "DELETE"]),
+            ]
+        )
+
+    async def _record(self, request: Request) -> Received:
+        body = await request.body()
+        received = Received(
+            request.method,
+            request.url.path,
+            request.url.query,
+            dict(request.headers),
+            [(k.decode(), v.decode()) for k, v in request.scope["headers"]],
+            body,
+        )
+        with self.lock:
+            self.received.append(received)
+        return received
+
+    async def _chat(self, request: Request) -> Response:
+        received = await self._record(request)
+        behaviour = self.behaviour
+        if behaviour.headers_delay_s:
+            await asyncio.sleep(behaviour.headers_delay_s)
+        payload = received.json()
+        model = payload.get("model", "")
+        if behaviour.status != 200:
+            return JSONResponse(
+                {"object": "error", "message": "upstream says no", "type": "BadRequestError",
+                 "param": None, "code": behaviour.status},
+                status_code=behaviour.status,
+                headers={"x-upstream-own": "kept"},
+            )
+        if payload.get("stream"):
+            return StreamingResponse(
+                self._tokens(model), media_type="text/event-stream",
+                headers={"x-upstream-own": "kept"},
+            )
+        return JSONResponse(
+            _completion(model, f"{self.name} saw {len(received.body)} bytes"),
+            headers={"x-upstream-own": "kept"},
+        )
+
+    async def _tokens(self, model: str):
+        behaviour = self.behaviour
+        sent = 0
+        try:
+            for index in range(behaviour.tokens):
+                if behaviour.reset_after is not None and index == behaviour.reset_after:
+                    raise ConnectionResetError("the toy upstream dies mid-stream")
+                if index and behaviour.token_delay_s:
+                    await asyncio.sleep(behaviour.token_delay_s)
+                chunk = _chunk(model, f"t{index} ")
+                self.token_sent_at.append(time.monotonic())
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+                sent += 1
+            yield b"data: [DONE]\n\n"
+            self.streams_finished += 1
+        finally:
+            if sent < behaviour.tokens and behaviour.reset_after is None:
+                self.streams_cancelled += 1
+
+    async def _models(self, request: Request) -> Response:
+        await self._record(request)
+        return JSONResponse(
+            {"object": "list", "data": [{"id": self.name, "object": "model", "owned_by": "toy"}]}
+        )
+
+    async def _health(self, request: Request) -> Response:
+        return Response(b"", 200)
+
+    async def _echo(self, request: Request) -> Response:
+        received = await self._record(request)
+        return JSONResponse(
+            {"method": received.method, "path": received.path, "query": received.query,
+             "bytes": len(received.body)},
+            status_code=201 if request.method == "PUT" else 200,
+        )
+
+
+def _completion(model: str, text: str) -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-toy",
+        "object": "chat.completion",
+        "created": 0,
+        "model": model,
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text},
+             "finish_reason": "stop"}
+        ],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+
+
+def _chunk(model: str, text: str) -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-toy",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": model,
+        "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}],
+    }
+
+
+if __name__ == "__main__":
+    import uvicorn
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--name", default="toy")
+    args = parser.parse_args()
+    uvicorn.run(ToyUpstream(args.name).app(), host="127.0.0.1", port=args.port,
+                log_level="warning")
