@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+logger = logging.getLogger("modalgate.encoder")
 Item = TypeVar("Item")
 Result = TypeVar("Result")
 
@@ -50,6 +52,10 @@ class BatchSettings:
 
 
 class MicroBatcher(Generic[Item, Result]):
+    # Observer hook, e.g. metrics: (batch size, seconds of the forward pass), called on the
+    # event loop after each batch. A plain attribute so this module needs no metrics library.
+    on_batch: Callable[[int, float], None] | None = None
+
     def __init__(
         self,
         run_batch: Callable[[list[Item]], Sequence[Result | BaseException]],
@@ -127,6 +133,11 @@ class MicroBatcher(Generic[Item, Result]):
             self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * elapsed
             self.batches += 1
             self.items += len(batch)
+            if self.on_batch is not None:
+                try:
+                    self.on_batch(len(batch), elapsed)
+                except Exception:  # an observer must never stop the worker
+                    logger.exception("the on_batch observer failed")
             for pending, result in zip(batch, results, strict=True):
                 if pending.future.done():
                     continue
