@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -20,10 +21,14 @@ MODALGATE = [sys.executable, "-m", "modalgate.gateway.cli"]
 
 
 class GatewayProcess:
-    def __init__(self, *args: str, env: dict[str, str] | None = None, command: list[str] | None = None) -> None:
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, command: list[str] | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._log = tempfile.NamedTemporaryFile(prefix="modalgate-", suffix=".log", delete=False)
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the process
+            prefix="modalgate-", suffix=".log", delete=False
+        )
         self.log_path = Path(self._log.name)
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         if command is None:
@@ -54,10 +59,8 @@ class GatewayProcess:
         lines = []
         for line in self.text().splitlines():
             if line.startswith("{"):
-                try:
+                with contextlib.suppress(orjson.JSONDecodeError):
                     lines.append(orjson.loads(line))
-                except orjson.JSONDecodeError:
-                    pass
         return lines
 
     def wait_for_log(self, predicate, timeout_s: float = 10.0) -> dict[str, Any]:

@@ -87,14 +87,20 @@ class ToyUpstream:
         model = payload.get("model", "")
         if behaviour.status != 200:
             return JSONResponse(
-                {"object": "error", "message": "upstream says no", "type": "BadRequestError",
-                 "param": None, "code": behaviour.status},
+                {
+                    "object": "error",
+                    "message": "upstream says no",
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": behaviour.status,
+                },
                 status_code=behaviour.status,
                 headers={"x-upstream-own": "kept"},
             )
         if payload.get("stream"):
             return StreamingResponse(
-                self._tokens(model), media_type="text/event-stream",
+                self._tokens(model),
+                media_type="text/event-stream",
                 headers={"x-upstream-own": "kept"},
             )
         return JSONResponse(
@@ -133,8 +139,12 @@ class ToyUpstream:
     async def _echo(self, request: Request) -> Response:
         received = await self._record(request)
         return JSONResponse(
-            {"method": received.method, "path": received.path, "query": received.query,
-             "bytes": len(received.body)},
+            {
+                "method": received.method,
+                "path": received.path,
+                "query": received.query,
+                "bytes": len(received.body),
+            },
             status_code=201 if request.method == "PUT" else 200,
         )
 
@@ -146,8 +156,7 @@ def _completion(model: str, text: str) -> dict[str, Any]:
         "created": 0,
         "model": model,
         "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": text},
-             "finish_reason": "stop"}
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
         ],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
     }
@@ -170,5 +179,4 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--name", default="toy")
     args = parser.parse_args()
-    uvicorn.run(ToyUpstream(args.name).app(), host="127.0.0.1", port=args.port,
-                log_level="warning")
+    uvicorn.run(ToyUpstream(args.name).app(), host="127.0.0.1", port=args.port, log_level="warning")

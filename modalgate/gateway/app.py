@@ -71,6 +71,7 @@ class Gateway:
                     max_connections=settings.upstream_max_connections,
                 ),
                 on_upstream=lambda s, status, code: self.metrics.observe_upstream(s, status, code),
+                on_response_end=self.metrics.observe_stream_end,
             )
             if settings.upstream
             else None

@@ -71,6 +71,7 @@ class UpstreamProxy:
         settings: UpstreamSettings | None = None,
         *,
         on_upstream: UpstreamObserver | None = None,
+        on_response_end: Callable[[float], None] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         url = httpx.URL(base_url)
@@ -79,6 +80,7 @@ class UpstreamProxy:
         self.base_url = url
         self.settings = settings = settings or UpstreamSettings()
         self.on_upstream = on_upstream
+        self.on_response_end = on_response_end
         self._prefix = url.raw_path.split(b"?", 1)[0].rstrip(b"/")
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(
@@ -166,6 +168,8 @@ class _Exchange:
             await self._relay(response)
         finally:
             await response.aclose()
+            if self.proxy.on_response_end is not None:
+                self.proxy.on_response_end(time.perf_counter() - self.started)
 
     async def _relay(self, response: httpx.Response) -> None:
         await self.send(

@@ -1,0 +1,330 @@
+"""``modalgate serve --upstream``: the official openai client -> a real gateway process -> a
+real upstream (Starlette, SSE with delays) in this process, recording what it receives."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import chat, data_url, free_port, image_bytes, serve
+from gateway_proc import GatewayProcess
+from toy_upstream import Behaviour, ToyUpstream
+
+HOP_BY_HOP_SENT = {"te": "trailers", "keep-alive": "timeout=5", "x-drop-me": "1"}
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[tuple[ToyUpstream, str]]:
+    toy = ToyUpstream()
+    with serve(toy.app()) as base:
+        yield toy, base
+
+
+@pytest.fixture
+def toy(upstream) -> ToyUpstream:
+    toy, _ = upstream
+    toy.behaviour = Behaviour()
+    toy.received.clear()
+    toy.token_sent_at.clear()
+    toy.streams_cancelled = toy.streams_finished = 0
+    return toy
+
+
+@pytest.fixture(scope="module")
+def gateway(upstream) -> Iterator[GatewayProcess]:
+    _, base = upstream
+    with GatewayProcess("--upstream", base, "--upstream-read-timeout", "2") as process:
+        yield process
+
+
+def client(gateway: GatewayProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="sk-test", max_retries=0)
+
+
+def metric(gateway: GatewayProcess, name: str, **labels: str) -> float:
+    text = httpx.get(gateway.url + "/metrics").text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+USER = [{"role": "user", "content": "hello"}]
+
+
+def test_non_streaming_reaches_upstream_with_the_original_bytes(gateway, toy):
+    raw = orjson.dumps(chat({"type": "image_url", "image_url": {"url": data_url(image_bytes())}}))
+    response = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        content=raw,
+        headers={
+            "content-type": "application/json",
+            "authorization": "Bearer sk-1",
+            "x-custom": "yes",
+            **HOP_BY_HOP_SENT,
+            "connection": "keep-alive, x-drop-me",
+        },
+    )
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["content"] == f"toy saw {len(raw)} bytes"
+    assert response.headers["x-upstream-own"] == "kept"
+    (received,) = toy.received
+    assert received.body == raw
+    assert received.headers["authorization"] == "Bearer sk-1"
+    assert received.headers["x-custom"] == "yes"
+    for name in ("te", "keep-alive", "x-drop-me"):
+        assert name not in received.headers
+    assert received.headers["x-forwarded-for"] == "127.0.0.1"
+    assert received.headers["host"] == httpx.URL(gateway_upstream(toy, gateway)).netloc.decode()
+
+
+def gateway_upstream(toy: ToyUpstream, gateway: GatewayProcess) -> str:
+    command = gateway.process.args
+    return command[command.index("--upstream") + 1]
+
+
+def test_openai_client_non_streaming(gateway, toy):
+    completion = client(gateway).chat.completions.create(model="kimi-k3", messages=USER)
+    assert completion.choices[0].message.content.startswith("toy saw ")
+    assert toy.received[0].json()["messages"] == USER
+
+
+def test_stream_first_chunk_arrives_before_the_last_token_is_sent(gateway, toy):
+    toy.behaviour = Behaviour(tokens=5, token_delay_s=0.3)
+    stream = client(gateway).chat.completions.create(model="kimi-k3", messages=USER, stream=True)
+    arrivals, texts = [], []
+    for chunk in stream:
+        arrivals.append(time.monotonic())
+        texts.append(chunk.choices[0].delta.content)
+    assert texts == ["t0 ", "t1 ", "t2 ", "t3 ", "t4 "]
+    assert len(toy.token_sent_at) == 5
+    assert arrivals[0] < toy.token_sent_at[-1]
+    # Each token reaches the client within a fraction of the upstream's pacing.
+    for sent, arrived in zip(toy.token_sent_at, arrivals, strict=True):
+        assert arrived - sent < 0.25
+
+
+def test_refused_request_never_reaches_upstream(gateway, toy):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(gateway).chat.completions.create(
+            model="kimi-k3",
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}
+                    ],
+                }
+            ],
+        )
+    assert caught.value.code == "unsupported_modality"
+    assert caught.value.param == "messages.[0].content.[0].type"
+    assert toy.received == []
+
+
+def test_upstream_error_passes_through_unchanged(gateway, toy):
+    toy.behaviour = Behaviour(status=422)
+    response = httpx.post(gateway.url + "/v1/chat/completions", json=chat("hi"))
+    assert response.status_code == 422
+    assert response.json() == {
+        "object": "error",
+        "message": "upstream says no",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 422,
+    }
+    assert response.headers["x-upstream-own"] == "kept"
+
+
+def test_other_paths_are_proxied_as_they_are(gateway, toy):
+    models = httpx.get(gateway.url + "/v1/models")
+    assert models.json()["data"][0]["id"] == "toy"
+    put = httpx.put(gateway.url + "/echo/a/b?x=1&y=%20z", content=b"12345")
+    assert put.status_code == 201
+    assert put.json() == {"method": "PUT", "path": "/echo/a/b", "query": "x=1&y=%20z", "bytes": 5}
+    assert httpx.delete(gateway.url + "/echo/gone").json()["method"] == "DELETE"
+    assert [r.path for r in toy.received] == ["/v1/models", "/echo/a/b", "/echo/gone"]
+
+
+def test_upstream_slow_gives_504(gateway, toy):
+    toy.behaviour = Behaviour(headers_delay_s=3.5)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client(gateway).chat.completions.create(model="kimi-k3", messages=USER)
+    assert caught.value.status_code == 504
+    assert caught.value.body["code"] == "upstream_timeout"
+    assert "2 s" in caught.value.body["message"]
+
+
+def test_upstream_reset_mid_stream_is_an_error_event(gateway, toy):
+    toy.behaviour = Behaviour(tokens=5, reset_after=2)
+    stream = client(gateway).chat.completions.create(model="kimi-k3", messages=USER, stream=True)
+    texts = []
+    with pytest.raises(openai.APIError) as caught:
+        for chunk in stream:
+            texts.append(chunk.choices[0].delta.content)
+    assert texts == ["t0 ", "t1 "]
+    assert caught.value.body["code"] == "upstream_unavailable"
+    assert "mid-response" in caught.value.message
+
+
+def test_client_disconnect_cancels_the_upstream_stream(gateway, toy):
+    toy.behaviour = Behaviour(tokens=20, token_delay_s=0.2)
+    with httpx.stream(
+        "POST", gateway.url + "/v1/chat/completions", json=chat("hi", stream=True)
+    ) as response:
+        first = next(response.iter_raw())
+        assert first.startswith(b"data: ")
+    deadline = time.monotonic() + 5
+    while toy.streams_cancelled == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert toy.streams_cancelled == 1
+    assert len(toy.token_sent_at) < 20
+
+
+def test_request_id_round_trips(gateway, toy):
+    response = httpx.post(
+        gateway.url + "/v1/chat/completions", json=chat("hi"), headers={"x-request-id": "req-42.a"}
+    )
+    assert response.headers.get_list("x-request-id") == ["req-42.a"]
+    assert toy.received[0].headers["x-request-id"] == "req-42.a"
+    made = httpx.post(gateway.url + "/v1/chat/completions", json=chat("hi"))
+    generated = made.headers["x-request-id"]
+    assert len(generated) == 32
+    assert toy.received[1].headers["x-request-id"] == generated
+    refused = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        json=chat({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}),
+        headers={"x-request-id": "bad id with spaces"},
+    )
+    assert refused.status_code == 400
+    new_id = refused.headers["x-request-id"]
+    assert new_id != "bad id with spaces"
+    line = gateway.wait_for_log(
+        lambda r: r.get("event") == "request_rejected" and r.get("request_id") == new_id
+    )
+    assert line["code"] == "unsupported_modality"
+    assert line["model"] == "kimi-k3"
+
+
+def test_metrics_count_what_happened(upstream):
+    toy, base = upstream
+    toy.behaviour = Behaviour()
+    with GatewayProcess("--upstream", base) as gateway:
+        openai_client = client(gateway)
+        openai_client.chat.completions.create(model="kimi-k3", messages=USER)
+        openai_client.chat.completions.create(model="kimi-k3", messages=USER)
+        for _ in range(3):
+            with pytest.raises(openai.BadRequestError):
+                openai_client.chat.completions.create(
+                    model="kimi-k3",
+                    messages=[
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "video_url", "video_url": {"url": "https://e.com/v.mp4"}}
+                            ],
+                        }
+                    ],
+                )
+        assert metric(gateway, "modalgate_requests_total", outcome="accepted", model="kimi-k3") == 2
+        assert (
+            metric(
+                gateway,
+                "modalgate_requests_total",
+                outcome="rejected",
+                code="unsupported_modality",
+                model="kimi-k3",
+            )
+            == 3
+        )
+        assert metric(gateway, "modalgate_validation_seconds_count") == 5
+        assert metric(gateway, "modalgate_upstream_seconds_count", status_class="2xx") == 2
+        # A model no rule names is counted under "unknown", not under its own name.
+        openai_client.chat.completions.create(model="my-private-model-123", messages=USER)
+        assert metric(gateway, "modalgate_requests_total", model="unknown") == 1
+
+
+def test_upstream_down_gives_502_and_readyz_says_so():
+    dead = f"http://127.0.0.1:{free_port()}"
+    with GatewayProcess("--upstream", dead) as gateway:
+        with pytest.raises(openai.APIStatusError) as caught:
+            client(gateway).chat.completions.create(model="kimi-k3", messages=USER)
+        assert caught.value.status_code == 502
+        assert caught.value.body["code"] == "upstream_unavailable"
+        assert caught.value.body["type"] == "server_error"
+        ready = httpx.get(gateway.url + "/readyz")
+        assert ready.status_code == 503
+        assert ready.json()["checks"] == {"policy": True, "upstream": False, "encoders": True}
+        assert httpx.get(gateway.url + "/healthz").status_code == 200
+        assert metric(gateway, "modalgate_upstream_errors_total", code="upstream_unavailable") == 1
+
+
+def test_upstream_comes_back(tmp_path):
+    port = free_port()
+    toy = ToyUpstream()
+    with GatewayProcess("--upstream", f"http://127.0.0.1:{port}") as gateway:
+        assert httpx.get(gateway.url + "/readyz").status_code == 503
+        with serve_on(toy, port):
+            time.sleep(1.1)  # the readiness probe is cached for a second
+            assert httpx.get(gateway.url + "/readyz").status_code == 200
+            assert (
+                httpx.post(gateway.url + "/v1/chat/completions", json=chat("hi")).status_code == 200
+            )
+
+
+def serve_on(toy: ToyUpstream, port: int):
+    import uvicorn
+
+    server = uvicorn.Server(
+        uvicorn.Config(toy.app(), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+
+    class _Running:
+        def __enter__(self):
+            thread.start()
+            deadline = time.monotonic() + 10
+            while not server.started and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return server
+
+        def __exit__(self, *exc):
+            server.should_exit = True
+            thread.join(10)
+
+    return _Running()
+
+
+def test_shutdown_lets_a_stream_in_flight_finish(upstream):
+    toy, base = upstream
+    toy.behaviour = Behaviour(tokens=6, token_delay_s=0.3)
+    toy.received.clear()
+    gateway = GatewayProcess("--upstream", base, "--grace-period", "10").wait_ready()
+    try:
+        chunks = []
+        with httpx.stream(
+            "POST", gateway.url + "/v1/chat/completions", json=chat("hi", stream=True), timeout=20
+        ) as response:
+            for index, line in enumerate(response.iter_lines()):
+                if index == 0:
+                    gateway.signal(signal.SIGTERM)
+                if line:
+                    chunks.append(line)
+        assert chunks[-1] == "data: [DONE]"
+        assert len(chunks) == 7
+        # uvicorn re-raises the SIGTERM it caught once shutdown is done: the conventional end.
+        assert gateway.process.wait(15) in (0, -signal.SIGTERM)
+        assert "Finished server process" in gateway.text()
+    finally:
+        gateway.stop()
+        gateway.log_path.unlink(missing_ok=True)
