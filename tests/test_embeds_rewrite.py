@@ -26,7 +26,6 @@ from kimi_tiny import save_full_checkpoint
 from modalgate.encoder_adapter import BatchSettings, Overloaded
 from modalgate.encoder_adapter.local import KimiEncoderAdapter
 from modalgate.gateway.embeds import (
-    embeds_for,
     rewrite_to_embeds,
     tensor_to_b64,
     unserved_embeds,
@@ -131,8 +130,8 @@ def test_images_become_string_form_image_embeds_in_place(checkpoint):
         text("last"),
     )
     verdict = verdict_for(copy.deepcopy(original))
-    spec = embeds_for(verdict_policy := parse_policy(POLICY, fmt="yaml"), verdict.rule)
-    assert spec == EmbedsSpec() and verdict_policy.models[0].embeds is spec
+    spec = verdict.rule.embeds
+    assert spec == EmbedsSpec()
 
     assert rewrite(checkpoint, verdict, spec) == []
 
@@ -164,7 +163,7 @@ def test_images_become_string_form_image_embeds_in_place(checkpoint):
 def test_dict_form_carries_the_grid_and_the_dtype(checkpoint):
     request = request_with(image(PNG), text("and"), image(JPEG, "image/jpeg"), model="qwen2.5-vl")
     verdict = verdict_for(request)
-    spec = embeds_for(parse_policy(POLICY, fmt="yaml"), verdict.rule)
+    spec = verdict.rule.embeds
     assert spec.grid_key == "image_grid_thw" and spec.dtype == "bfloat16"
 
     assert rewrite(checkpoint, verdict, spec) == []
@@ -327,11 +326,9 @@ models:
     )
     policy = load_policy(file)
     rule = RuleMatcher(policy).resolve("Qwen/Qwen2.5-VL-7B-Instruct")
-    assert embeds_for(policy, rule) == EmbedsSpec(
-        dtype="bfloat16", grid_key="image_grid_thw", hidden_size=3584
-    )
-    assert embeds_for(policy, RuleMatcher(policy).resolve("gpt-4o")) is None
-    assert embeds_for(policy, RuleMatcher(policy).resolve("no-such-model")) is None
+    assert rule.embeds == EmbedsSpec(dtype="bfloat16", grid_key="image_grid_thw", hidden_size=3584)
+    assert RuleMatcher(policy).resolve("gpt-4o").embeds is None
+    assert RuleMatcher(policy).resolve("no-such-model").embeds is None
 
 
 @pytest.mark.parametrize(

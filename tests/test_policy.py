@@ -16,6 +16,7 @@ from modalgate.policy import (
     Policy,
     PolicyError,
     RuleMatcher,
+    Server,
     TokenSpec,
     load_policy,
     parse_policy,
@@ -692,6 +693,7 @@ def test_policy_doc_names_every_field() -> None:
         *MediaUrls.model_fields,
         *ModelRule.model_fields,
         *TokenSpec.model_fields,
+        *Server.model_fields,
     ]
     missing = [field for field in fields if f"`{field}`" not in text]
     assert missing == []

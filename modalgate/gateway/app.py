@@ -27,6 +27,7 @@ from starlette.routing import Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modalgate.encoder_adapter import EncoderAdapter, create_encoder
+from modalgate.gateway.embeds import unserved_embeds
 from modalgate.gateway.encode import ENCODE_PATH, encode_endpoint
 from modalgate.gateway.forward import Forwarder
 from modalgate.gateway.health import Readiness
@@ -120,20 +121,18 @@ class Gateway:
     def encoder_problems(self, policy: Policy) -> list[str]:
         """Rules this process could not serve: an encoder named after start, or embeds
         with no encoder at all. A reload that brings them is refused."""
-        problems = []
-        for rule in policy.models:
-            if rule.mode not in (None, self.settings.mode):
-                continue
-            if rule.encoder and rule.encoder not in self.adapters_by_spec:
-                problems.append(
-                    f"rule {rule.name!r}: encoder {rule.encoder!r} was not loaded at start "
-                    "(encoders change on restart)"
-                )
-            elif getattr(rule, "embeds", None) and self.adapter_for(rule.encoder) is None:
-                problems.append(
-                    f"rule {rule.name!r}: embeds needs an encoder (encoder: or --encoder)"
-                )
-        return problems
+        mode = self.settings.mode
+        problems = [
+            f"rule {rule.name!r}: encoder {rule.encoder!r} was not loaded at start "
+            "(encoders change on restart)"
+            for rule in policy.models
+            if rule.mode in (None, mode)
+            and rule.encoder
+            and rule.encoder not in self.adapters_by_spec
+            and rule.embeds is None  # unserved_embeds names those
+        ]
+        default = self.default_encoder is not None
+        return problems + unserved_embeds(policy, self.adapters_by_spec, default=default, mode=mode)
 
     def apply_policy(self, policy: Policy) -> None:
         retired = self.gate.media

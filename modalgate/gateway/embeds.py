@@ -31,7 +31,6 @@ import pybase64
 
 from modalgate.encoder_adapter.protocol import EncoderAdapter
 from modalgate.errors import ErrorCode, Violation
-from modalgate.policy.matching import ResolvedRule
 from modalgate.policy.models import EmbedsSpec, Policy
 from modalgate.validators.verdict import MediaPart, Verdict
 
@@ -42,7 +41,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EmbedsSpec",
-    "embeds_for",
     "embeds_image_part",
     "rewrite_to_embeds",
     "tensor_to_b64",
@@ -146,19 +144,6 @@ async def rewrite_to_embeds(
     for (container, index), new_part in zip(slots, embedded, strict=True):
         container[index] = new_part
     return []
-
-
-def embeds_for(policy: Policy, rule: ResolvedRule | None) -> EmbedsSpec | None:
-    """The ``embeds`` of the policy rule a verdict resolved to (``None``: no rewrite).
-
-    Rule names are unique per mode, so name and mode find the one rule.
-    """
-    if rule is None or not rule.known:
-        return None
-    for candidate in policy.models:
-        if candidate.name == rule.name and candidate.mode == rule.mode:
-            return candidate.embeds
-    return None
 
 
 def unserved_embeds(

@@ -29,7 +29,7 @@ class Forwarder:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         verdict = get_verdict(scope) if scope["type"] == "http" else None
-        embeds = getattr(verdict.rule, "embeds", None) if verdict and verdict.rule else None
+        embeds = verdict.rule.embeds if verdict is not None and verdict.rule is not None else None
         if verdict is None or embeds is None:
             await self.proxy(scope, receive, send)
             return

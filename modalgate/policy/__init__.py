@@ -2,9 +2,18 @@
 
 from modalgate.policy.loading import PolicyError, load_policy, parse_policy, policy_json_schema
 from modalgate.policy.matching import ResolvedRule, RuleMatcher
-from modalgate.policy.models import Limits, MediaUrls, ModelRule, Policy, TokenSpec
+from modalgate.policy.models import (
+    EmbedsSpec,
+    Limits,
+    MediaUrls,
+    ModelRule,
+    Policy,
+    Server,
+    TokenSpec,
+)
 
 __all__ = [
+    "EmbedsSpec",
     "Limits",
     "MediaUrls",
     "ModelRule",
@@ -12,6 +21,7 @@ __all__ = [
     "PolicyError",
     "ResolvedRule",
     "RuleMatcher",
+    "Server",
     "TokenSpec",
     "load_policy",
     "parse_policy",

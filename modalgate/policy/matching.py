@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from modalgate.policy.models import Limits, ModelRule, Policy, Role, TokenSpec
+from modalgate.policy.models import EmbedsSpec, Limits, ModelRule, Policy, Role, TokenSpec
 
 _WILDCARD = re.compile(r"[*?\[]")
 
@@ -36,6 +36,7 @@ class ResolvedRule:
     message: str | None = None
     tokens: TokenSpec | None = None
     encoder: str | None = None
+    embeds: EmbedsSpec | None = None
     known: bool = True
 
 
@@ -98,6 +99,7 @@ class RuleMatcher:
             message=best_rule.message,
             tokens=best_rule.tokens,
             encoder=best_rule.encoder,
+            embeds=best_rule.embeds,
         )
 
 
