@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import free_port
 
@@ -92,3 +93,13 @@ class GatewayProcess:
     def __exit__(self, *exc: object) -> None:
         self.stop()
         self.log_path.unlink(missing_ok=True)
+
+
+def metric(gateway: GatewayProcess, name: str, **labels: str) -> float:
+    text = httpx.get(gateway.url + "/metrics").text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total

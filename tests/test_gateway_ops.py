@@ -12,10 +12,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from test_proxy import metric
 
 from conftest import MP4_BYTES, chat, data_url, serve
-from gateway_proc import GatewayProcess
+from gateway_proc import GatewayProcess, metric
 from modalgate.gateway.settings import load_settings
 from toy_upstream import ToyUpstream
 

@@ -12,10 +12,9 @@ import httpx
 import openai
 import orjson
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import chat, data_url, free_port, image_bytes, serve
-from gateway_proc import GatewayProcess
+from gateway_proc import GatewayProcess, metric
 from toy_upstream import Behaviour, ToyUpstream
 
 HOP_BY_HOP_SENT = {"te": "trailers", "keep-alive": "timeout=5", "x-drop-me": "1"}
@@ -47,16 +46,6 @@ def gateway(upstream) -> Iterator[GatewayProcess]:
 
 def client(gateway: GatewayProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=gateway.url + "/v1", api_key="sk-test", max_retries=0)
-
-
-def metric(gateway: GatewayProcess, name: str, **labels: str) -> float:
-    text = httpx.get(gateway.url + "/metrics").text
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 USER = [{"role": "user", "content": "hello"}]

@@ -61,6 +61,8 @@ class ToyUpstream:
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/echo/{rest:path}", self._echo, methods=["GET", "POST", "PUT", "DELETE"]),
+                # For tests driving this server as its own process: what it received.
+                Route("/_received", self._received, methods=["GET", "DELETE"]),
             ]
         )
 
@@ -126,6 +128,23 @@ class ToyUpstream:
         finally:
             if sent < behaviour.tokens and behaviour.reset_after is None:
                 self.streams_cancelled += 1
+
+    async def _received(self, request: Request) -> Response:
+        with self.lock:
+            if request.method == "DELETE":
+                self.received.clear()
+                return Response(status_code=204)
+            return JSONResponse(
+                [
+                    {
+                        "method": r.method,
+                        "path": r.path,
+                        "headers": r.headers,
+                        "body": r.body.decode("utf-8", "replace"),
+                    }
+                    for r in self.received
+                ]
+            )
 
     async def _models(self, request: Request) -> Response:
         await self._record(request)

@@ -27,6 +27,7 @@ from starlette.routing import Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modalgate.encoder_adapter import EncoderAdapter, create_encoder
+from modalgate.gateway.catalog import ModelCatalog
 from modalgate.gateway.embeds import unserved_embeds
 from modalgate.gateway.encode import ENCODE_PATH, encode_endpoint
 from modalgate.gateway.forward import Forwarder
@@ -35,14 +36,16 @@ from modalgate.gateway.logs import log_outcome
 from modalgate.gateway.metrics import GatewayMetrics, metrics_endpoint
 from modalgate.gateway.middleware import DEFAULT_PATHS, ModalGate, get_verdict
 from modalgate.gateway.outcome import GateOutcome
-from modalgate.gateway.proxy import UpstreamProxy, UpstreamSettings
+from modalgate.gateway.proxy import UpstreamSettings
 from modalgate.gateway.reload import PolicyReloader
 from modalgate.gateway.request_id import RequestId
 from modalgate.gateway.responses import json_bytes
+from modalgate.gateway.routes import Upstreams
 from modalgate.gateway.settings import GatewaySettings, load_settings
-from modalgate.policy import Policy, load_policy
+from modalgate.policy import Policy, RuleMatcher, load_policy
 
 VALIDATE_PATH = "/v1/validate"
+MODELS_PATH = "/v1/models"
 RETIRED_STAGE_GRACE_S = 60.0  # a replaced fetcher closes once requests using it are done
 logger = logging.getLogger("modalgate.gateway")
 
@@ -60,39 +63,40 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.adapters_by_spec = _encoders_for(policy, settings.mode)
         self.default_encoder = encoder
-        problems = self.encoder_problems(policy)
+        problems = self.problems(policy)
         if problems:
             raise ValueError("; ".join(problems))
-        self.proxy = (
-            UpstreamProxy(
-                settings.upstream,
-                UpstreamSettings(
-                    connect_timeout_s=settings.upstream_connect_timeout_s,
-                    read_timeout_s=settings.upstream_read_timeout_s,
-                    max_connections=settings.upstream_max_connections,
-                ),
-                on_upstream=lambda s, status, code: self.metrics.observe_upstream(s, status, code),
-                on_response_end=self.metrics.observe_stream_end,
-            )
-            if settings.upstream
-            else None
+        self.upstreams = Upstreams(
+            settings.upstream,
+            UpstreamSettings(
+                connect_timeout_s=settings.upstream_connect_timeout_s,
+                read_timeout_s=settings.upstream_read_timeout_s,
+                max_connections=settings.upstream_max_connections,
+            ),
+            settings.upstream_health_path,
+            on_upstream=self.metrics.observe_upstream,
+            on_response_end=self.metrics.observe_stream_end,
         )
-        self.readiness = Readiness(self.proxy, settings.upstream_health_path)
-        self.forwarder = Forwarder(self.proxy, self.adapter_for) if self.proxy else None
+        self.upstreams.use_policy(policy, settings.mode)
+        self.readiness = Readiness(self.upstreams)
+        # A gateway with no upstream at start is a validation service: chat paths answer
+        # with the verdict. Routes a reload brings apply to gateways that proxy.
+        self.proxying = self.upstreams.configured
+        self.catalog = ModelCatalog(lambda: self.gate.matcher, self.upstreams)
         self.router = Router(routes=self._routes(), lifespan=self._lifespan)
-        if self.forwarder is not None:
-            self.router.default = self.forwarder
-        paths = [VALIDATE_PATH, *DEFAULT_PATHS]
-        if self.adapters:
-            paths.append(ENCODE_PATH)
+        self.router.default = Forwarder(self.upstreams, self.adapter_for)
         self.gate = ModalGate(
-            self.router, policy=policy, mode=settings.mode, paths=paths, on_outcome=self._observe
+            self.router,
+            policy=policy,
+            mode=settings.mode,
+            paths=[VALIDATE_PATH, *DEFAULT_PATHS, *([ENCODE_PATH] if self.adapters else [])],
+            on_outcome=self._observe,
         )
         self.reloader = (
             PolicyReloader(
                 settings.policy,
                 self.apply_policy,
-                check=self.encoder_problems,
+                check=self.problems,
                 on_result=self.metrics.policy_reload,
             )
             if settings.policy
@@ -118,6 +122,10 @@ class Gateway:
             return self.adapters_by_spec.get(spec, self.default_encoder)
         return self.default_encoder
 
+    def problems(self, policy: Policy) -> list[str]:
+        """What makes ``policy`` unusable in this process: checked at start and on reload."""
+        return self.encoder_problems(policy) + fallback_problems(policy, self.settings.mode)
+
     def encoder_problems(self, policy: Policy) -> list[str]:
         """Rules this process could not serve: an encoder named after start, or embeds
         with no encoder at all. A reload that brings them is refused."""
@@ -135,10 +143,14 @@ class Gateway:
         return problems + unserved_embeds(policy, self.adapters_by_spec, default=default, mode=mode)
 
     def apply_policy(self, policy: Policy) -> None:
-        retired = self.gate.media
+        retired: list[object] = [self.gate.media]
         self.gate.set_policy(policy, self.settings.mode)
+        retired += [
+            target.proxy for target in self.upstreams.use_policy(policy, self.settings.mode)
+        ]
         if self._group is not None:
-            self._group.start_soon(_close_later, retired)
+            for resource in retired:
+                self._group.start_soon(_close_later, resource)
 
     def _observe(self, outcome: GateOutcome) -> None:
         self.metrics.observe_outcome(outcome)
@@ -150,8 +162,10 @@ class Gateway:
             Route("/readyz", self.readiness.endpoint, methods=["GET", "HEAD"]),
             Route(self.settings.metrics_path, metrics_endpoint(self.metrics), methods=["GET"]),
             Route(VALIDATE_PATH, _verdict, methods=["POST"]),
+            Route(MODELS_PATH, self.catalog.list_endpoint, methods=["GET"]),
+            Route(MODELS_PATH + "/{model_id:path}", self.catalog.model_endpoint, methods=["GET"]),
         ]
-        if self.proxy is None:
+        if not self.proxying:
             routes += [Route(p, _verdict, methods=["POST"]) for p in DEFAULT_PATHS]
         if self.adapters:
             routes.append(
@@ -173,14 +187,15 @@ class Gateway:
                 self._group = group
                 if self.reloader is not None:
                     group.start_soon(self.reloader.run, self.settings.watch_policy)
+                if self.upstreams.configured:
+                    group.start_soon(self.upstreams.watch, self.settings.upstream_health_interval_s)
                 try:
                     yield
                 finally:
                     self._group = None
                     group.cancel_scope.cancel()
         finally:
-            if self.proxy is not None:
-                await self.proxy.aclose()
+            await self.upstreams.aclose()
             for adapter in self.adapters:
                 await adapter.close()
 
@@ -189,6 +204,28 @@ async def _close_later(stage: object) -> None:
     with anyio.CancelScope(shield=False):
         await anyio.sleep(RETIRED_STAGE_GRACE_S)
     await stage.aclose()  # type: ignore[attr-defined]
+
+
+def fallback_problems(policy: Policy, mode: str | None) -> list[str]:
+    """Fallbacks must land on a rule of this mode that takes the modality they route."""
+    matcher = RuleMatcher(policy, mode)
+    problems = []
+    for rule in policy.models:
+        if rule.mode not in (None, mode):
+            continue
+        for modality, target in (rule.fallback or {}).items():
+            resolved = matcher.resolve(target)
+            if not resolved.known:
+                problems.append(
+                    f"rule {rule.name!r}: fallback for {modality} names {target!r}, "
+                    f"which no rule{' of mode ' + repr(mode) if mode else ''} matches"
+                )
+            elif modality not in resolved.accepts:
+                problems.append(
+                    f"rule {rule.name!r}: fallback for {modality} names {target!r}, "
+                    f"whose rule {resolved.name!r} does not accept {modality}"
+                )
+    return problems
 
 
 def _encoders_for(policy: Policy, mode: str | None) -> dict[str, EncoderAdapter]:

@@ -80,6 +80,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--upstream-max-connections", type=int, metavar="N")
     serve.add_argument("--upstream-health-path", metavar="PATH", help="default /health")
+    serve.add_argument(
+        "--upstream-health-interval",
+        dest="upstream_health_interval_s",
+        type=float,
+        metavar="S",
+        help="seconds between health probes of each upstream (default 5)",
+    )
     serve.set_defaults(run=_serve)
 
     validate = commands.add_parser(
@@ -133,6 +140,7 @@ _SERVE_FLAGS = (
     "upstream_read_timeout_s",
     "upstream_max_connections",
     "upstream_health_path",
+    "upstream_health_interval_s",
 )
 
 

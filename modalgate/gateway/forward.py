@@ -1,8 +1,9 @@
-"""Between the gate and the proxy: the encoder-side rewrite, for rules that ask for it.
+"""Between the gate and the proxies: pick the request's route, rewrite images if asked.
 
-A rule with ``embeds:`` has its accepted images encoded here and replaced by
+The route is the matched rule's own ``upstream``, else the default one. A rule
+with ``embeds:`` has its accepted images encoded here and replaced by
 ``image_embeds`` parts, so the model server skips its own vision tower; every
-other request goes to the proxy exactly as the gate passed it on.
+other request goes upstream exactly as the gate passed it on.
 """
 
 from __future__ import annotations
@@ -16,51 +17,71 @@ from starlette.types import Message, Receive, Scope, Send
 from modalgate.encoder_adapter import EncoderAdapter, Overloaded
 from modalgate.errors import ErrorCode, Violation, error_json
 from modalgate.gateway.middleware import get_verdict
-from modalgate.gateway.proxy import UpstreamProxy
 from modalgate.gateway.responses import send_error, send_json
+from modalgate.gateway.routes import Upstreams
+from modalgate.policy.models import EmbedsSpec
+from modalgate.validators import Verdict
 
 AdapterLookup = Callable[[str | None], EncoderAdapter | None]
 
 
 class Forwarder:
-    def __init__(self, proxy: UpstreamProxy, adapter_for: AdapterLookup) -> None:
-        self.proxy = proxy
+    def __init__(self, upstreams: Upstreams, adapter_for: AdapterLookup) -> None:
+        self.upstreams = upstreams
         self.adapter_for = adapter_for
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         verdict = get_verdict(scope) if scope["type"] == "http" else None
+        route = self.upstreams.route_for(verdict.rule if verdict is not None else None)
+        if route is None:
+            await send_error(send, [_no_route(scope, verdict)])
+            return
         embeds = verdict.rule.embeds if verdict is not None and verdict.rule is not None else None
         if verdict is None or embeds is None:
-            await self.proxy(scope, receive, send)
+            await route.forward(scope, receive, send)
             return
+        rewritten = await self._rewrite(verdict, embeds, send)
+        if rewritten is None:
+            return
+        headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
+        headers.append((b"content-length", str(len(rewritten)).encode()))
+        await route.forward(dict(scope, headers=headers), _body_then(rewritten, receive), send)
+
+    async def _rewrite(self, verdict: Verdict, embeds: EmbedsSpec, send: Send) -> bytes | None:
+        """The body with image_embeds parts; None once an error has been sent."""
         from modalgate.gateway.embeds import rewrite_to_embeds
 
+        assert verdict.rule is not None
         adapter = self.adapter_for(verdict.rule.encoder)
         if adapter is None:  # refused at start and on reload; kept as a guard
-            await send_error(
-                send, [Violation(ErrorCode.ENCODER_ERROR, "no encoder serves this model here")]
-            )
-            return
+            violation = Violation(ErrorCode.ENCODER_ERROR, "no encoder serves this model here")
+            await send_error(send, [violation])
+            return None
         try:
             violations = await rewrite_to_embeds(verdict, adapter, embeds)
         except Overloaded as exc:
-            violation = Violation(
-                ErrorCode.ENCODER_OVERLOADED, "the encoder is busy; retry shortly"
-            )
-            await send_json(
-                send,
-                503,
-                error_json([violation]),
-                [(b"retry-after", str(int(exc.retry_after_s)).encode())],
-            )
-            return
+            violation = Violation(ErrorCode.ENCODER_OVERLOADED, "the encoder is busy; retry later")
+            retry = str(int(exc.retry_after_s)).encode()
+            await send_json(send, 503, error_json([violation]), [(b"retry-after", retry)])
+            return None
         if violations:
             await send_error(send, violations)
-            return
-        body = await anyio.to_thread.run_sync(orjson.dumps, verdict.request)
-        headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
-        headers.append((b"content-length", str(len(body)).encode()))
-        await self.proxy(dict(scope, headers=headers), _body_then(body, receive), send)
+            return None
+        return await anyio.to_thread.run_sync(orjson.dumps, verdict.request)
+
+
+def _no_route(scope: Scope, verdict: Verdict | None) -> Violation:
+    if verdict is not None:
+        shown = (verdict.model or "")[:100]
+        return Violation(
+            ErrorCode.UNKNOWN_MODEL,
+            f"model: no upstream serves {shown!r} here (no route for it and no default)",
+            "model",
+        )
+    return Violation(
+        ErrorCode.UNKNOWN_MODEL,
+        f"no upstream serves {scope['path'][:100]!r} here (no default upstream)",
+    )
 
 
 def _body_then(body: bytes, receive: Receive) -> Receive:

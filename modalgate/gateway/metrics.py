@@ -128,6 +128,8 @@ class GatewayMetrics:
         ).inc()
         self.validation_seconds.observe(outcome.seconds)
         self.body_bytes.observe(outcome.body_bytes)
+        if outcome.routed_from is not None and outcome.accepted:
+            self.routed(outcome.routed_from, outcome.rule or "unknown")
 
     def observe_upstream(
         self, seconds: float, status: int | None, error_code: str | None, route: str = "default"

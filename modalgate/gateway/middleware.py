@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import anyio
 import anyio.to_thread
+import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, payload_too_large
@@ -23,13 +24,14 @@ from modalgate.gateway.outcome import GateOutcome, OutcomeObserver
 from modalgate.gateway.remote_media import MediaStage
 from modalgate.gateway.responses import send_error
 from modalgate.policy import Policy, RuleMatcher, load_policy
-from modalgate.validators import Verdict, validate_body
+from modalgate.validators import Verdict, validate_body, with_fallback
 
 DEFAULT_PATHS = ("/v1/chat/completions", "/chat/completions")
 # Bodies above this are validated in a worker thread: base64 and header work on
 # a multi-megabyte body would otherwise stall every other request on the loop.
 THREAD_THRESHOLD_BYTES = 256 * 1024
 VERDICT_STATE_KEY = "modalgate_verdict"
+ROUTED_TO_HEADER = b"x-modalgate-routed-to"  # set when a fallback chose another model
 T = TypeVar("T")
 
 
@@ -127,6 +129,15 @@ class _GatedRequest:
             return
         verdict = await self.gate.run_cpu(len(body), validate_body, body, self.matcher)
         received = len(body)
+        if not verdict.accepted and verdict.rule is not None and verdict.rule.fallback:
+            verdict = await self.gate.run_cpu(
+                received, with_fallback, verdict, self.matcher, received
+            )
+            if verdict.routed_from is not None:
+                send = _with_header(send, ROUTED_TO_HEADER, (verdict.model or "").encode())
+                if verdict.accepted:
+                    body = await self.gate.run_cpu(received, orjson.dumps, verdict.request)
+                    scope = dict(scope, headers=_with_content_length(scope, len(body)))
         if verdict.accepted and verdict.remote_parts:
             await self.media.fetch(verdict)
             if verdict.accepted and self.media.inline:
@@ -156,6 +167,7 @@ class _GatedRequest:
                 model=verdict.model if verdict is not None else None,
                 mode=self.matcher.mode,
                 rule=rule.name if rule is not None and rule.known else None,
+                routed_from=verdict.routed_from if verdict is not None else None,
                 body_bytes=body_bytes,
                 seconds=time.perf_counter() - self.started,
                 path=self.path,
@@ -185,6 +197,15 @@ class _GatedRequest:
 def get_verdict(scope: Scope) -> Verdict | None:
     """The Verdict ModalGate attached to an accepted request (``request.state`` in Starlette)."""
     return scope.get("state", {}).get(VERDICT_STATE_KEY)
+
+
+def _with_header(send: Send, name: bytes, value: bytes) -> Send:
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), (name, value)]}
+        await send(message)
+
+    return wrapped
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -22,6 +22,7 @@ class GateOutcome:
     body_bytes: int
     seconds: float  # read + validate + fetch, up to the forward or the error
     path: str = ""
+    routed_from: str | None = None  # the rule a fallback routed away from (``rule`` is the new)
 
     @property
     def status(self) -> int:

@@ -44,7 +44,8 @@ HOP_BY_HOP = frozenset(
 # Request headers the proxy sets itself: httpx writes Host from the upstream URL.
 _REPLACED_REQUEST = frozenset({b"host"})
 
-UpstreamObserver = Callable[[float, "int | None", "str | None"], None]
+# (seconds to the response's start, status or None, error code or None, route name)
+UpstreamObserver = Callable[[float, "int | None", "str | None", str], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +72,7 @@ class UpstreamProxy:
         settings: UpstreamSettings | None = None,
         *,
         on_upstream: UpstreamObserver | None = None,
-        on_response_end: Callable[[float], None] | None = None,
+        on_response_end: Callable[[float, str], None] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         url = httpx.URL(base_url)
@@ -102,11 +103,24 @@ class UpstreamProxy:
         await self.client.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.forward(scope, receive, send)
+
+    async def forward(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        *,
+        route: str = "default",
+        fail_over: bool = False,
+    ) -> bool:
+        """Forward one request; False (and nothing sent) when ``fail_over`` is set and the
+        upstream could not be reached: the request never left, so another may take it."""
         if scope["type"] != "http":
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1003})
-            return
-        await _Exchange(self, scope, receive, send).run()
+            return True
+        return await _Exchange(self, scope, receive, send, route).run(fail_over)
 
     def build_request(self, scope: Scope, receive: Receive) -> httpx.Request:
         raw_path = scope.get("raw_path") or scope["path"].encode()
@@ -143,8 +157,11 @@ async def _request_body(receive: Receive) -> AsyncIterator[bytes]:
 class _Exchange:
     """One request and its response, in the manner of Starlette's GZip responder."""
 
-    def __init__(self, proxy: UpstreamProxy, scope: Scope, receive: Receive, send: Send) -> None:
+    def __init__(
+        self, proxy: UpstreamProxy, scope: Scope, receive: Receive, send: Send, route: str
+    ) -> None:
         self.proxy = proxy
+        self.route = route
         self.scope = scope
         self.receive = receive
         self.send = send
@@ -152,24 +169,27 @@ class _Exchange:
         self.client_gone = False
         self.finished = False  # the last byte is out: a disconnect now is the normal end
 
-    async def run(self) -> None:
+    async def run(self, fail_over: bool) -> bool:
         request = self.proxy.build_request(self.scope, self.receive)
         try:
             response = await self.proxy.client.send(request, stream=True)
         except ClientGone:
-            return
+            return True
         except httpx.HTTPError as exc:
             violation = _violation(exc, self.proxy.settings)
             self._observe(None, violation.code.value)
+            if fail_over and isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+                return False
             await send_error(self.send, [violation])
-            return
+            return True
         self._observe(response.status_code, None)
         try:
             await self._relay(response)
         finally:
             await response.aclose()
             if self.proxy.on_response_end is not None:
-                self.proxy.on_response_end(time.perf_counter() - self.started)
+                self.proxy.on_response_end(time.perf_counter() - self.started, self.route)
+        return True
 
     async def _relay(self, response: httpx.Response) -> None:
         await self.send(
@@ -221,7 +241,7 @@ class _Exchange:
 
     def _observe(self, status: int | None, code: str | None) -> None:
         if self.proxy.on_upstream is not None:
-            self.proxy.on_upstream(time.perf_counter() - self.started, status, code)
+            self.proxy.on_upstream(time.perf_counter() - self.started, status, code, self.route)
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

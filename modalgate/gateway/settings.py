@@ -29,6 +29,7 @@ class GatewaySettings(BaseSettings):
     upstream_read_timeout_s: float = Field(300.0, gt=0)
     upstream_max_connections: int = Field(512, gt=0)
     upstream_health_path: str = "/health"
+    upstream_health_interval_s: float = Field(5.0, gt=0)
     grace_period_s: float = Field(30.0, ge=0)
     watch_policy: bool = True
     metrics_path: str = "/metrics"

@@ -19,7 +19,15 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from modalgate.policy.models import EmbedsSpec, Limits, ModelRule, Policy, Role, TokenSpec
+from modalgate.policy.models import (
+    EmbedsSpec,
+    Limits,
+    ModelRule,
+    Policy,
+    Role,
+    TokenSpec,
+    UpstreamTarget,
+)
 
 _WILDCARD = re.compile(r"[*?\[]")
 
@@ -37,7 +45,12 @@ class ResolvedRule:
     tokens: TokenSpec | None = None
     encoder: str | None = None
     embeds: EmbedsSpec | None = None
+    upstream: tuple[UpstreamTarget, ...] | None = None
+    fallback: tuple[tuple[str, str], ...] = ()  # (modality, model) pairs: hashable
     known: bool = True
+
+    def fallback_for(self, modality: str) -> str | None:
+        return dict(self.fallback).get(modality)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +113,8 @@ class RuleMatcher:
             tokens=best_rule.tokens,
             encoder=best_rule.encoder,
             embeds=best_rule.embeds,
+            upstream=best_rule.upstream,
+            fallback=tuple(sorted((best_rule.fallback or {}).items())),
         )
 
 

@@ -123,6 +123,7 @@ class Server(_Strict):
     upstream_read_timeout_s: float | None = Field(None, gt=0)
     upstream_max_connections: int | None = Field(None, gt=0)
     upstream_health_path: str | None = None
+    upstream_health_interval_s: float | None = Field(None, gt=0)
     grace_period_s: float | None = Field(None, ge=0)
     watch_policy: bool | None = None
     metrics_path: str | None = None
@@ -152,6 +153,20 @@ class EmbedsSpec(_Strict):
     hidden_size: int | None = Field(None, gt=0)
 
 
+class UpstreamTarget(_Strict):
+    """One server of a model's route; traffic is shared by weight among the healthy ones."""
+
+    url: str
+    weight: int = Field(1, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise PydanticCustomError("upstream_url", "an upstream must be an http(s) URL")
+        return url.rstrip("/")
+
+
 class ModelRule(_Strict):
     name: str = Field(min_length=1)
     match: tuple[str, ...] = ()
@@ -166,15 +181,47 @@ class ModelRule(_Strict):
     source: str | None = None
     # Encode accepted images here and forward image_embeds parts (docs/embeds.md).
     embeds: EmbedsSpec | None = None
+    # Where this model is served: one URL, or several targets with weights (docs/routing.md).
+    upstream: tuple[UpstreamTarget, ...] | None = None
+    # Opt-in: a request with media this model cannot take goes to the named model instead.
+    fallback: dict[MediaModality, str] | None = None
+
+    @field_validator("upstream", mode="before")
+    @classmethod
+    def _one_or_many_targets(cls, value: object) -> object:
+        if isinstance(value, str):
+            return ({"url": value},)
+        if isinstance(value, list | tuple):
+            return tuple({"url": v} if isinstance(v, str) else v for v in value)
+        return value
+
+    @field_validator("upstream")
+    @classmethod
+    def _some_targets(
+        cls, value: tuple[UpstreamTarget, ...] | None
+    ) -> tuple[UpstreamTarget, ...] | None:
+        if value is not None and not value:
+            raise PydanticCustomError("empty_upstream", "'upstream' needs at least one URL")
+        return value
 
     @model_validator(mode="after")
-    def _embeds_replace_images_only(self) -> ModelRule:
+    def _consistent(self) -> ModelRule:
         """A rewrite with no images to rewrite is a mistake; client embeddings next to a
-        rewrite would let clients feed the upstream raw tensors (the gateway's to send)."""
+        rewrite would let clients feed the upstream raw tensors (the gateway's to send);
+        a fallback for an accepted modality, or to the rule itself, never applies."""
         if self.embeds is not None and "image" not in self.accepts:
             raise PydanticCustomError(
                 "embeds_without_images", "'embeds' needs 'image' in 'accepts': nothing to encode"
             )
+        for modality, target in (self.fallback or {}).items():
+            if modality in self.accepts:
+                raise PydanticCustomError(
+                    "fallback_for_accepted",
+                    "fallback for '{modality}', which this rule accepts: it would never apply",
+                    {"modality": modality},
+                )
+            if target.casefold() == self.name.casefold():
+                raise PydanticCustomError("fallback_loop", "a rule cannot fall back to itself")
         if self.embeds is not None and "embeddings" in self.accepts:
             raise PydanticCustomError(
                 "embeds_with_client_embeddings",

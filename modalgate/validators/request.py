@@ -182,6 +182,7 @@ def _read_part(part: Any, where: str, role: str, rule: ResolvedRule, verdict: Ve
         return
     read.type_param = type_param
     if read.modality not in rule.accepts:
+        verdict.unsupported.add(read.modality)
         verdict.violations.append(_unsupported(read, rule, verdict))
     elif role not in rule.media_roles:
         allowed = ", ".join(sorted(rule.media_roles))

@@ -78,6 +78,11 @@ class Verdict:
     mode: str | None = None
     rule: ResolvedRule | None = None
     request: dict[str, Any] | None = field(default=None, repr=False)
+    # Media the rule does not accept, by modality: what a fallback route may take instead.
+    unsupported: set[str] = field(default_factory=set)
+    # Set when a fallback sent this request to another model: the rule of the model the
+    # client asked for (a policy name, safe for metric labels; ``model`` is the new one).
+    routed_from: str | None = None
 
     @property
     def accepted(self) -> bool:
@@ -98,6 +103,7 @@ class Verdict:
             "model": self.model,
             "mode": self.mode,
             "rule": self.rule.name if self.rule and self.rule.known else None,
+            "routed_from": self.routed_from,
             "media": [part.facts() for part in self.parts],
             "violations": [v.as_dict() for v in self.violations],
         }
