@@ -24,6 +24,7 @@ SCRIPTS = (
     "p5_batched_encode.py",
     "m1_fetch_overhead.py",
     "m2_decode_throughput.py",
+    "p6_proxy_overhead.py",
 )
 
 
