@@ -97,10 +97,8 @@ def test_stream_first_chunk_arrives_before_the_last_token_is_sent(gateway, toy):
         texts.append(chunk.choices[0].delta.content)
     assert texts == ["t0 ", "t1 ", "t2 ", "t3 ", "t4 "]
     assert len(toy.token_sent_at) == 5
+    # Not buffered: the client holds the first token before the upstream has sent the last.
     assert arrivals[0] < toy.token_sent_at[-1]
-    # Each token reaches the client within a fraction of the upstream's pacing.
-    for sent, arrived in zip(toy.token_sent_at, arrivals, strict=True):
-        assert arrived - sent < 0.25
 
 
 def test_refused_request_never_reaches_upstream(gateway, toy):
@@ -143,6 +141,13 @@ def test_other_paths_are_proxied_as_they_are(gateway, toy):
     assert put.json() == {"method": "PUT", "path": "/echo/a/b", "query": "x=1&y=%20z", "bytes": 5}
     assert httpx.delete(gateway.url + "/echo/gone").json()["method"] == "DELETE"
     assert [r.path for r in toy.received] == ["/v1/models", "/echo/a/b", "/echo/gone"]
+
+
+def test_one_users_cookies_never_reach_another_user(gateway, toy):
+    first = httpx.get(gateway.url + "/echo/login?setcookie=1")
+    assert first.cookies["upstream_session"] == "secret-of-one-user"  # passed to its client
+    httpx.get(gateway.url + "/echo/next")
+    assert "cookie" not in toy.received[1].headers
 
 
 def test_upstream_slow_gives_504(gateway, toy):

@@ -157,7 +157,7 @@ class ToyUpstream:
 
     async def _echo(self, request: Request) -> Response:
         received = await self._record(request)
-        return JSONResponse(
+        response = JSONResponse(
             {
                 "method": received.method,
                 "path": received.path,
@@ -166,6 +166,9 @@ class ToyUpstream:
             },
             status_code=201 if request.method == "PUT" else 200,
         )
+        if "setcookie" in received.query:
+            response.set_cookie("upstream_session", "secret-of-one-user")
+        return response
 
 
 def _completion(model: str, text: str) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from modalgate.policy.matching import ResolvedRule
 
 MODALITY_ORDER = ("text", "image", "audio", "video", "file")
 UPSTREAM_LIST_TTL_S = 10.0
+MODEL_LIST_TIMEOUT_S = 2.0
 _WILDCARDS = frozenset("*?[")
 
 
@@ -93,12 +94,10 @@ class ModelCatalog:
         cached = self._reported.get(target.url)
         if cached is not None and time.monotonic() - cached[0] < UPSTREAM_LIST_TTL_S:
             return cached[1]
-        base = target.proxy.base_url
-        url = base.copy_with(raw_path=base.raw_path.rstrip(b"/") + b"/v1/models")
         try:
-            response = await target.proxy.client.get(url, timeout=2.0)
+            response = await target.proxy.get("/v1/models", MODEL_LIST_TIMEOUT_S)
             data = response.json().get("data") if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
+        except (httpx.HTTPError, TimeoutError, ValueError, AttributeError):
             data = None  # an upstream without a model list: the policy speaks for it
         models = [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
         self._reported[target.url] = (time.monotonic(), models)

@@ -176,7 +176,10 @@ def uvicorn_log_config(level: str = "info", fmt: Literal["json", "text"] = "json
 
 
 def log_outcome(outcome: GateOutcome) -> None:
-    """An ``OutcomeObserver``: one INFO line per refusal; accepted requests only at DEBUG."""
+    """An ``OutcomeObserver``: one INFO line per refusal or fallback; others only at DEBUG."""
+    if outcome.accepted and outcome.routed_from is not None:
+        logger.info("request_rerouted", extra={"fields": _outcome_fields(outcome)})
+        return
     if outcome.accepted:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request_accepted", extra={"fields": _outcome_fields(outcome)})
@@ -196,6 +199,7 @@ def _outcome_fields(outcome: GateOutcome) -> dict[str, Any]:
     return {
         "model": safe_text(outcome.model, MAX_MODEL_CHARS) if outcome.model is not None else None,
         "rule": outcome.rule,
+        "routed_from": outcome.routed_from,
         "mode": outcome.mode,
         "path": outcome.path,
         "body_bytes": outcome.body_bytes,

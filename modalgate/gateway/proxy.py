@@ -1,4 +1,4 @@
-"""The reverse proxy to the model server: one pooled httpx client, bodies streamed both ways.
+"""The reverse proxy to one model server: one connection pool, bodies streamed both ways.
 
 Invisible when requests are clean: the request body goes upstream as it
 arrives (or as the gate rewrote it), the response comes back chunk by chunk as
@@ -24,6 +24,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, error_body
 from modalgate.gateway.responses import send_error
+from modalgate.gateway.upstream_pool import UpstreamPool
 
 logger = logging.getLogger("modalgate.proxy")
 
@@ -57,12 +58,6 @@ class UpstreamSettings:
     max_connections: int = 512
 
 
-class UpstreamError(Exception):
-    def __init__(self, violation: Violation) -> None:
-        super().__init__(violation.message)
-        self.violation = violation
-
-
 class UpstreamProxy:
     """A pure ASGI app that forwards every HTTP request to ``base_url``."""
 
@@ -83,24 +78,38 @@ class UpstreamProxy:
         self.on_upstream = on_upstream
         self.on_response_end = on_response_end
         self._prefix = url.raw_path.split(b"?", 1)[0].rstrip(b"/")
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(
-                connect=settings.connect_timeout_s,
-                read=settings.read_timeout_s,
-                write=settings.write_timeout_s,
-                pool=settings.connect_timeout_s,
-            ),
-            limits=httpx.Limits(
-                max_connections=settings.max_connections,
-                max_keepalive_connections=settings.max_connections,
-            ),
-            follow_redirects=False,
-            trust_env=False,  # HTTP(S)_PROXY must not silently reroute model traffic
-            transport=transport,
-        )
+        self._timeout = httpx.Timeout(
+            connect=settings.connect_timeout_s,
+            read=settings.read_timeout_s,
+            write=settings.write_timeout_s,
+            pool=settings.connect_timeout_s,
+        ).as_dict()
+        # No httpx.AsyncClient on purpose: a client keeps cookies from one user's response
+        # and sends them with the next user's request, follows redirects, reads proxy
+        # variables. A proxy wants none of that: requests go straight to the transport.
+        self.transport = transport or UpstreamPool(url, settings.max_connections)
+
+    async def send(self, request: httpx.Request) -> httpx.Response:
+        """One request through the pool; the response body is still to be read (or closed)."""
+        response = await self.transport.handle_async_request(request)
+        response.request = request
+        return response
+
+    async def get(self, path: str, timeout_s: float) -> httpx.Response:
+        """A small GET of the proxy's own (health probes, model lists), body read."""
+        url = self.base_url.copy_with(raw_path=self._prefix + path.encode())
+        timeout = httpx.Timeout(timeout_s).as_dict()
+        request = httpx.Request("GET", url, extensions={"timeout": timeout})
+        with anyio.fail_after(timeout_s):
+            response = await self.send(request)
+            try:
+                await response.aread()
+            finally:
+                await response.aclose()
+        return response
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        await self.transport.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.forward(scope, receive, send)
@@ -130,11 +139,12 @@ class UpstreamProxy:
         headers = forwarded_headers(scope)
         names = {name for name, _ in scope["headers"]}
         has_body = b"content-length" in names or b"transfer-encoding" in names
-        return self.client.build_request(
+        return httpx.Request(
             scope["method"],
             url,
             headers=headers,
             content=_request_body(receive) if has_body else None,
+            extensions={"timeout": self._timeout},
         )
 
 
@@ -172,7 +182,7 @@ class _Exchange:
     async def run(self, fail_over: bool) -> bool:
         request = self.proxy.build_request(self.scope, self.receive)
         try:
-            response = await self.proxy.client.send(request, stream=True)
+            response = await self.proxy.send(request)
         except ClientGone:
             return True
         except httpx.HTTPError as exc:

@@ -143,12 +143,10 @@ class Upstreams:
                 group.start_soon(self._probe_one, target)
 
     async def _probe_one(self, target: Target) -> None:
-        base = target.proxy.base_url
-        url = base.copy_with(raw_path=base.raw_path.rstrip(b"/") + self.health_path.encode())
         try:
-            response = await target.proxy.client.get(url, timeout=PROBE_TIMEOUT_S)
+            response = await target.proxy.get(self.health_path, PROBE_TIMEOUT_S)
             healthy = response.status_code < 500
-        except httpx.HTTPError:
+        except (httpx.HTTPError, TimeoutError):
             healthy = False
         target.checked_at = time.monotonic()
         target.mark(healthy)
