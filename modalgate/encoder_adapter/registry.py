@@ -20,7 +20,10 @@ EncoderFactory = Callable[[str | None], EncoderAdapter]
 ENTRY_POINT_GROUP = "modalgate.encoders"
 
 # Imported on first use: torch and transformers load only when an encoder is asked for.
-_BUILTIN: dict[str, str] = {"kimi": "modalgate.encoder_adapter.local:kimi_encoder"}
+_BUILTIN: dict[str, str] = {
+    "kimi": "modalgate.encoder_adapter.local:kimi_encoder",
+    "ray": "modalgate.encoder_adapter.ray_serve:ray_encoder",
+}
 _registered: dict[str, EncoderFactory] = {}
 
 
