@@ -36,11 +36,11 @@ from conftest import MP4_BYTES, chat, data_url, free_port, image_part, serve
 from kimi_tiny import save_full_checkpoint
 from modalgate.encoder_adapter import Overloaded, create_encoder
 from modalgate.encoder_adapter.local import KimiEncoderAdapter
-from modalgate.encoder_adapter.ray_cli import add_ray_commands
 from modalgate.encoder_adapter.ray_serve import (
     ADDRESS_ENV,
     PoolConfig,
     RayServeEncoder,
+    add_ray_commands,
     deploy,
 )
 from modalgate.gateway.app import create_app
@@ -157,7 +157,7 @@ def test_results_equal_the_local_adapters(pool):
 
 def test_serve_batch_gives_the_same_results(pool):
     """The @serve.batch path of the same replicas: concurrent requests merged by Ray Serve."""
-    encoder = RayServeEncoder(APP, batching="serve")
+    encoder = RayServeEncoder(APP, batching="serve", coalesce_ms=0)  # merging left to Serve
     images = [png(40 + i, 30 + i, 50 + i) for i in range(12)]
 
     async def go():
