@@ -9,9 +9,12 @@ rounds in this one run (see ``_common.py``):
   one torch thread and two decode threads, and neither a cache hit.
 * scale: a 2-replica pool vs the 1-replica pool on a bigger burst. ratio = 2-replica
   throughput / 1-replica throughput (this 2-core machine also runs the caller).
-* batching: the 2-replica pool with Ray Serve's ``@serve.batch`` merging requests
-  before the adapter vs modalgate's micro-batcher alone (the same replicas, chosen
-  per request). ratio = @serve.batch time / modalgate time.
+* coalesce: the 2-replica pool, the gateway adapter sharing one Serve call among
+  concurrent requests (the default, 2 ms window) vs one call per request.
+  ratio = one-call-per-request time / coalesced time.
+* batching: the 2-replica pool, one call per request, Ray Serve's ``@serve.batch``
+  merging requests before the adapter vs modalgate's micro-batcher alone (the same
+  replicas, chosen per request). ratio = @serve.batch time / modalgate time.
 
 Ray is told of 3 CPUs so that 1 + 2 replicas (num_cpus=1 each: Ray then sets one
 OpenMP thread per replica) can all be deployed; idle replicas cost nothing, and
@@ -108,7 +111,9 @@ def main() -> None:
         local = KimiEncoderAdapter(directory, device="cpu", cache_bytes=0)
         one = RayServeEncoder("r1-one")
         two = RayServeEncoder("r1-two")
-        two_serve = RayServeEncoder("r1-two", batching="serve")
+        two_plain = RayServeEncoder("r1-two", coalesce_ms=0)
+        two_serve = RayServeEncoder("r1-two", batching="serve", coalesce_ms=0)
+        adapters = (local, one, two, two_plain, two_serve)
 
         def burst(adapter, n: int) -> Callable[[], None]:
             def go() -> None:
@@ -121,7 +126,7 @@ def main() -> None:
 
             return go
 
-        for adapter in (local, one, two, two_serve):  # warm-up: routing, first forwards
+        for adapter in adapters:  # warm-up: routing, first forwards
             burst(adapter, args.burst)()
         print(
             f"tiny Kimi-K2.5 tower on the CPU, {args.side}px PNGs; {rounds} rounds x {reps} "
@@ -156,24 +161,40 @@ def main() -> None:
             print(f"{label}: {rate:.0f} images/s ({rate / int(label[0]):.0f} per replica)")
         ratios["scale"] = scale.ratio
 
+        print(f"\n-- coalesce: {args.burst} requests on 2 replicas, one call each vs shared")
+        start = time.perf_counter()
+        coalesce = interleaved(
+            burst(two_plain, args.burst),
+            burst(two, args.burst),
+            rounds,
+            reps,
+            ratio=lambda plain_s, shared_s: plain_s / shared_s,
+        )
+        print_rounds(coalesce, "one call each", "coalesced", time.perf_counter() - start)
+        ratios["coalesce"] = coalesce.ratio
+
         print(f"\n-- batching: {args.burst} requests on 2 replicas, modalgate vs @serve.batch")
         start = time.perf_counter()
         batching = interleaved(
-            burst(two, args.burst),
+            burst(two_plain, args.burst),
             burst(two_serve, args.burst),
             rounds,
             reps,
             ratio=lambda modalgate_s, serve_s: serve_s / modalgate_s,
         )
         print_rounds(batching, "modalgate", "@serve.batch", time.perf_counter() - start)
-        for label, adapter in (("modalgate", two), ("@serve.batch", two_serve)):
+        for label, adapter in (
+            ("modalgate", two_plain),
+            ("@serve.batch", two_serve),
+            ("coalesced + modalgate", two),
+        ):
             before = loop.run_until_complete(two.info())
             burst(adapter, args.burst)()
             after = loop.run_until_complete(two.info())
             print(f"{label}: {_batches(before, after)}")
         ratios["batching"] = batching.ratio
 
-        for adapter in (local, one, two, two_serve):
+        for adapter in adapters:
             loop.run_until_complete(adapter.close())
         ray.shutdown()
     loop.close()
@@ -184,6 +205,7 @@ def main() -> None:
             f"{NAME}_scale", ratios["scale"], f">={TARGETS['scale']}", ratios["scale"] >= 1.3
         )
     )
+    print(result_line(f"{NAME}_coalesce", ratios["coalesce"], "report", True))
     print(result_line(f"{NAME}_batching", ratios["batching"], "report", True))
 
 
