@@ -39,6 +39,7 @@ class ErrorCode(str, Enum):
     ENCODER_ERROR = "encoder_error"
     UPSTREAM_UNAVAILABLE = "upstream_unavailable"
     UPSTREAM_TIMEOUT = "upstream_timeout"
+    NOT_FOUND = "not_found"
 
     def __str__(self) -> str:
         return self.value
@@ -68,6 +69,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.ENCODER_ERROR: 500,
     ErrorCode.UPSTREAM_UNAVAILABLE: 502,
     ErrorCode.UPSTREAM_TIMEOUT: 504,
+    ErrorCode.NOT_FOUND: 404,
 }
 
 # OpenAI's `type` field: client mistakes vs. our side failing.

@@ -183,3 +183,16 @@ def test_other_asgi_servers_serve_create_app(upstream, server):
             )
         assert caught.value.code == "unsupported_modality"
         assert httpx.get(gateway.url + "/readyz").json()["status"] == "ready"
+        # The factory configures the gateway's own JSON log lines under any server.
+        line = gateway.wait_for_log(lambda r: r.get("event") == "request_rejected")
+        assert line["code"] == "unsupported_modality"
+
+
+def test_a_validation_service_answers_other_paths_with_not_found():
+    with GatewayProcess() as gateway:
+        response = httpx.post(gateway.url + "/v1/embeddings", json={"input": "x"})
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "not_found"
+        assert response.json()["error"]["type"] == "invalid_request_error"
+        verdict = httpx.post(gateway.url + "/v1/chat/completions", json=chat("hi"))
+        assert verdict.json()["object"] == "modalgate.verdict"

@@ -212,6 +212,18 @@ def test_models_lists_every_model_with_its_modalities(gateway, clean):
     assert missing.json()["error"]["code"] == "unknown_model"
 
 
+def test_models_leaves_out_what_an_unknown_models_reject_policy_refuses(servers, tmp_path):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        "unknown_models: reject\nmodels:\n  - name: qwen3-vl\n    accepts: [image, video]\n"
+    )
+    upstream = servers["kimi-k3"].url  # reports only the model "kimi-k3", which no rule names
+    with GatewayProcess("--policy", str(policy), "--upstream", upstream) as gateway:
+        listed = [m["id"] for m in httpx.get(gateway.url + "/v1/models").json()["data"]]
+        assert listed == []
+        assert httpx.get(gateway.url + "/v1/models/kimi-k3").status_code == 404
+
+
 MODES = """\
 models:
   - name: kimi-k3

@@ -32,7 +32,7 @@ from modalgate.gateway.embeds import unserved_embeds
 from modalgate.gateway.encode import ENCODE_PATH, encode_endpoint
 from modalgate.gateway.forward import Forwarder
 from modalgate.gateway.health import Readiness
-from modalgate.gateway.logs import log_outcome
+from modalgate.gateway.logs import configure_logging, log_outcome
 from modalgate.gateway.metrics import GatewayMetrics, metrics_endpoint
 from modalgate.gateway.middleware import DEFAULT_PATHS, ModalGate, get_verdict
 from modalgate.gateway.outcome import GateOutcome
@@ -41,7 +41,7 @@ from modalgate.gateway.reload import PolicyReloader
 from modalgate.gateway.request_id import RequestId
 from modalgate.gateway.responses import json_bytes
 from modalgate.gateway.routes import Upstreams
-from modalgate.gateway.settings import GatewaySettings, load_settings
+from modalgate.gateway.settings import GatewaySettings, load_settings, policy_location
 from modalgate.policy import Policy, RuleMatcher, load_policy
 
 VALIDATE_PATH = "/v1/validate"
@@ -253,13 +253,16 @@ def create_app(
     settings: GatewaySettings | None = None,
 ) -> Gateway:
     """The gateway app. Arguments given here win over ``MODALGATE_*`` variables, which win
-    over the policy file's ``server:`` section; ``encoder`` serves rules without their own."""
+    over the policy file's ``server:`` section; ``encoder`` serves rules without their own.
+
+    Called bare by another ASGI server (``create_app()``), it also loads the encoder
+    named by ``MODALGATE_ENCODER`` and, unless logging is configured already, writes
+    the gateway's log lines as ``modalgate serve`` does.
+    """
     if settings is None:
         flags = {"mode": mode, "upstream": upstream}
         if policy is not None and not isinstance(policy, Policy):
             flags["policy"] = str(policy)
-        from modalgate.gateway.settings import policy_location
-
         location = policy_location(flags)
         if not isinstance(policy, Policy):
             policy = load_policy(location)
@@ -268,4 +271,8 @@ def create_app(
         )
     elif not isinstance(policy, Policy):
         policy = load_policy(policy if policy is not None else settings.policy)
+    if encoder is None and settings.encoder:
+        encoder = create_encoder(settings.encoder)
+    if not logging.getLogger().handlers and not logging.getLogger("modalgate").handlers:
+        configure_logging(settings.log_level, settings.log_format)
     return Gateway(policy, settings, encoder)

@@ -51,7 +51,8 @@ class ModelCatalog:
             listed.setdefault(
                 name, {"id": name, "object": "model", "created": 0, "owned_by": "modalgate"}
             )
-        return [self._described(model) for model in listed.values()]
+        described = (self._described(model) for model in listed.values())
+        return [model for model in described if model is not None]
 
     async def model(self, model_id: str) -> dict[str, Any] | None:
         for model in await self.models():
@@ -74,8 +75,11 @@ class ModelCatalog:
                 names.append(rule.name)
         return names
 
-    def _described(self, model: dict[str, Any]) -> dict[str, Any]:
+    def _described(self, model: dict[str, Any]) -> dict[str, Any] | None:
+        """The model with its capabilities; None for one this gateway would refuse."""
         rule = self.matcher.resolve(model["id"])
+        if not rule.known and self.matcher.policy.unknown_models == "reject":
+            return None
         return {**model, **capabilities(rule, self.matcher.mode)}
 
     async def _upstream_models(self) -> list[dict[str, Any]]:

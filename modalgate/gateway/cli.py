@@ -169,9 +169,13 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_format)
     try:
         encoder = create_encoder(settings.encoder) if settings.encoder else None
-        gateway = Gateway(policy, settings, encoder)
     except (LookupError, ValueError, OSError, RuntimeError) as exc:
         # An encoder that cannot load is an operator's problem: one line, no traceback.
+        print(f"cannot start the encoder: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        gateway = Gateway(policy, settings, encoder)
+    except (LookupError, ValueError, OSError, RuntimeError) as exc:
         print(f"cannot start: {exc}", file=sys.stderr)
         return EXIT_USAGE
     uvicorn.run(
@@ -183,6 +187,8 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=settings.grace_period_s,
         server_header=False,  # the upstream's own Server and Date headers pass through
         date_header=False,
+        # X-Forwarded-For is passed on as a chain, not folded into the client address.
+        proxy_headers=False,
         lifespan="on",
     )
     return EXIT_OK

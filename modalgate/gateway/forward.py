@@ -60,7 +60,9 @@ class Forwarder:
         try:
             violations = await rewrite_to_embeds(verdict, adapter, embeds)
         except Overloaded as exc:
-            violation = Violation(ErrorCode.ENCODER_OVERLOADED, "the encoder is busy; retry later")
+            violation = Violation(
+                ErrorCode.ENCODER_OVERLOADED, "the encoder is busy; retry shortly"
+            )
             retry = str(int(exc.retry_after_s)).encode()
             await send_json(send, 503, error_json([violation]), [(b"retry-after", retry)])
             return None
@@ -79,7 +81,7 @@ def _no_route(scope: Scope, verdict: Verdict | None) -> Violation:
             "model",
         )
     return Violation(
-        ErrorCode.UNKNOWN_MODEL,
+        ErrorCode.NOT_FOUND,
         f"no upstream serves {scope['path'][:100]!r} here (no default upstream)",
     )
 

@@ -18,9 +18,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import anyio
+import httpcore
 import httpx
 import orjson
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, error_body
 from modalgate.gateway.responses import send_error
@@ -68,7 +69,7 @@ class UpstreamProxy:
         *,
         on_upstream: UpstreamObserver | None = None,
         on_response_end: Callable[[float, str], None] | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: UpstreamPool | None = None,
     ) -> None:
         url = httpx.URL(base_url)
         if url.scheme not in ("http", "https") or not url.host:
@@ -78,7 +79,8 @@ class UpstreamProxy:
         self.on_upstream = on_upstream
         self.on_response_end = on_response_end
         self._prefix = url.raw_path.split(b"?", 1)[0].rstrip(b"/")
-        self._timeout = httpx.Timeout(
+        self._host = url.netloc
+        self.timeouts = httpx.Timeout(
             connect=settings.connect_timeout_s,
             read=settings.read_timeout_s,
             write=settings.write_timeout_s,
@@ -89,19 +91,13 @@ class UpstreamProxy:
         # variables. A proxy wants none of that: requests go straight to the transport.
         self.transport = transport or UpstreamPool(url, settings.max_connections)
 
-    async def send(self, request: httpx.Request) -> httpx.Response:
-        """One request through the pool; the response body is still to be read (or closed)."""
-        response = await self.transport.handle_async_request(request)
-        response.request = request
-        return response
-
     async def get(self, path: str, timeout_s: float) -> httpx.Response:
         """A small GET of the proxy's own (health probes, model lists), body read."""
         url = self.base_url.copy_with(raw_path=self._prefix + path.encode())
         timeout = httpx.Timeout(timeout_s).as_dict()
         request = httpx.Request("GET", url, extensions={"timeout": timeout})
         with anyio.fail_after(timeout_s):
-            response = await self.send(request)
+            response = await self.transport.handle_async_request(request)
             try:
                 await response.aread()
             finally:
@@ -131,41 +127,33 @@ class UpstreamProxy:
             return True
         return await _Exchange(self, scope, receive, send, route).run(fail_over)
 
-    def build_request(self, scope: Scope, receive: Receive) -> httpx.Request:
+    def target_of(self, scope: Scope) -> bytes:
         raw_path = scope.get("raw_path") or scope["path"].encode()
-        target = self._prefix + raw_path.split(b"?", 1)[0]
         query = scope.get("query_string", b"")
-        url = self.base_url.copy_with(raw_path=target + (b"?" + query if query else b""))
+        return self._prefix + raw_path.split(b"?", 1)[0] + (b"?" + query if query else b"")
+
+    def headers_for(self, scope: Scope) -> tuple[list[tuple[bytes, bytes]], bool]:
+        """The upstream request's headers, and whether a body follows."""
         headers = forwarded_headers(scope)
+        headers.append((b"host", self._host))
         names = {name for name, _ in scope["headers"]}
         has_body = b"content-length" in names or b"transfer-encoding" in names
-        return httpx.Request(
-            scope["method"],
-            url,
-            headers=headers,
-            content=_request_body(receive) if has_body else None,
-            extensions={"timeout": self._timeout},
-        )
+        if has_body and b"content-length" not in names:
+            headers.append((b"transfer-encoding", b"chunked"))  # ours, on our hop
+        return headers, has_body
 
 
 class ClientGone(Exception):
     """The client disconnected while its request body was still being forwarded."""
 
 
-async def _request_body(receive: Receive) -> AsyncIterator[bytes]:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        if chunk:
-            yield chunk
-        if not message.get("more_body", False):
-            return
-
-
 class _Exchange:
-    """One request and its response, in the manner of Starlette's GZip responder."""
+    """One request and its response, in the manner of Starlette's GZip responder.
+
+    A watcher listens for the client's disconnect from the moment the request body
+    has been read until the last byte is out, so an abandoned request is closed
+    upstream whether the server is still thinking (no headers yet) or streaming.
+    """
 
     def __init__(
         self, proxy: UpstreamProxy, scope: Scope, receive: Receive, send: Send, route: str
@@ -178,21 +166,61 @@ class _Exchange:
         self.started = time.perf_counter()
         self.client_gone = False
         self.finished = False  # the last byte is out: a disconnect now is the normal end
+        self.body_read = anyio.Event()
 
     async def run(self, fail_over: bool) -> bool:
-        request = self.proxy.build_request(self.scope, self.receive)
+        reached = True
+        async with anyio.create_task_group() as group:
+            group.start_soon(self._watch, group.cancel_scope)
+            try:
+                reached = await self._exchange(fail_over)
+            except ClientGone:
+                self.client_gone = True
+            group.cancel_scope.cancel()
+        if self.client_gone:
+            logger.info("client disconnected; upstream request closed")
+        return reached
+
+    async def _watch(self, scope: anyio.CancelScope) -> None:
+        await self.body_read.wait()
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
+        self.client_gone = not self.finished
+        scope.cancel()
+
+    async def _body(self) -> AsyncIterator[bytes]:
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk = message.get("body", b"")
+            if chunk:
+                yield chunk
+            if not message.get("more_body", False):
+                self.body_read.set()
+                return
+
+    async def _exchange(self, fail_over: bool) -> bool:
+        headers, has_body = self.proxy.headers_for(self.scope)
+        if not has_body:
+            self.body_read.set()
         try:
-            response = await self.proxy.send(request)
-        except ClientGone:
-            return True
+            response = await self.proxy.transport.request(
+                self.scope["method"].encode(),
+                self.proxy.target_of(self.scope),
+                headers,
+                self._body() if has_body else None,
+                self.proxy.timeouts,
+            )
         except httpx.HTTPError as exc:
             violation = _violation(exc, self.proxy.settings)
             self._observe(None, violation.code.value)
             if fail_over and isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
                 return False
+            self.finished = True
             await send_error(self.send, [violation])
             return True
-        self._observe(response.status_code, None)
+        self._observe(response.status, None)
         try:
             await self._relay(response)
         finally:
@@ -201,44 +229,30 @@ class _Exchange:
                 self.proxy.on_response_end(time.perf_counter() - self.started, self.route)
         return True
 
-    async def _relay(self, response: httpx.Response) -> None:
+    async def _relay(self, response: httpcore.Response) -> None:
+        headers = _response_headers(response.headers)
         await self.send(
-            {
-                "type": "http.response.start",
-                "status": response.status_code,
-                "headers": _response_headers(response.headers.raw),
-            }
+            {"type": "http.response.start", "status": response.status, "headers": headers}
         )
-        async with anyio.create_task_group() as group:
-
-            async def stream() -> None:
-                await self._stream(response)
-                group.cancel_scope.cancel()
-
-            async def watch() -> None:
-                await _wait_for_disconnect(self.receive)
-                self.client_gone = not self.finished
-                group.cancel_scope.cancel()
-
-            group.start_soon(stream)
-            group.start_soon(watch)
-        if self.client_gone:
-            logger.info("client disconnected; upstream request closed")
-
-    async def _stream(self, response: httpx.Response) -> None:
+        length = next((int(v) for n, v in headers if n == b"content-length" and v.isdigit()), None)
+        remaining = length if length is not None else -1
         tail = b"\n\n"
         try:
-            async for chunk in response.aiter_raw():
-                if chunk:
-                    await self.send(
-                        {"type": "http.response.body", "body": chunk, "more_body": True}
-                    )
-                    tail = chunk[-2:]
+            async for chunk in response.stream:  # type: ignore[union-attr]
+                if not chunk:
+                    continue
+                tail = chunk[-2:]
+                remaining -= len(chunk)
+                if remaining == 0:  # the declared length is complete: one send, not two
+                    self.finished = True
+                    await self.send({"type": "http.response.body", "body": chunk})
+                    return
+                await self.send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as exc:
             violation = _violation(exc, self.proxy.settings, started=True)
-            self._observe(response.status_code, violation.code.value)
+            self._observe(response.status, violation.code.value)
             logger.warning("upstream failed mid-response: %s", violation.message)
-            if not _is_event_stream(response):
+            if not _is_event_stream(headers):
                 return  # no final body message: the server aborts the response, as it should
             # SSE: tell the client in the stream, as vLLM does for its own mid-stream errors.
             event = b"data: " + orjson.dumps(error_body([violation])) + b"\n\n"
@@ -252,13 +266,6 @@ class _Exchange:
     def _observe(self, status: int | None, code: str | None) -> None:
         if self.proxy.on_upstream is not None:
             self.proxy.on_upstream(time.perf_counter() - self.started, status, code, self.route)
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while True:
-        message: Message = await receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def forwarded_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
@@ -304,8 +311,8 @@ def _response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes
     ]
 
 
-def _is_event_stream(response: httpx.Response) -> bool:
-    return response.headers.get("content-type", "").startswith("text/event-stream")
+def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(n == b"content-type" and v.startswith(b"text/event-stream") for n, v in headers)
 
 
 def _violation(

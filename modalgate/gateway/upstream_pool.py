@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ssl
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterator
 
 import anyio
 import httpcore
@@ -69,25 +69,58 @@ class UpstreamPool(httpx.AsyncBaseTransport):
         self._all: set[httpcore.AsyncHTTPConnection] = set()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        timeouts = request.extensions.get("timeout", {})
+        """httpx's transport protocol, for any httpx caller (health probes, model lists)."""
+        url = request.url
+        target = url.raw_path  # path and query
+        response = await self.request(
+            request.method.encode(),
+            target,
+            request.headers.raw,
+            request.stream,  # type: ignore[arg-type]
+            request.extensions.get("timeout", {}),
+        )
+        return httpx.Response(
+            response.status,
+            headers=response.headers,
+            stream=response.stream,  # type: ignore[arg-type]
+            extensions=response.extensions,
+            request=request,
+        )
+
+    async def request(
+        self,
+        method: bytes,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        content: AsyncIterable[bytes] | None,
+        timeouts: dict[str, float | None],
+    ) -> httpcore.Response:
+        """The proxy's hot path, without building httpx's request and response objects.
+
+        ``headers`` must carry Host and the body's framing. The response's ``stream``
+        gives the connection back to the pool when it is closed.
+        """
         try:
-            with anyio.fail_after(timeouts.get("pool")):
-                await self._slots.acquire()
-        except TimeoutError:
-            raise httpx.PoolTimeout("no connection to the upstream became free") from None
+            self._slots.acquire_nowait()  # the common case: no cancel scope to set up
+        except anyio.WouldBlock:
+            try:
+                with anyio.fail_after(timeouts.get("pool")):
+                    await self._slots.acquire()
+            except TimeoutError:
+                raise httpx.PoolTimeout("no connection to the upstream became free") from None
         try:
             connection = await self._connection()
             core_request = httpcore.Request(
-                request.method,
+                method,
                 httpcore.URL(
-                    scheme=request.url.raw_scheme,
-                    host=request.url.raw_host,
-                    port=request.url.port,
-                    target=request.url.raw_path,
+                    scheme=self.origin.scheme,
+                    host=self.origin.host,
+                    port=self.origin.port,
+                    target=target,
                 ),
-                headers=request.headers.raw,
-                content=request.stream,
-                extensions=request.extensions,
+                headers=headers,
+                content=content,
+                extensions={"timeout": timeouts},
             )
             try:
                 with _httpx_errors():
@@ -98,12 +131,8 @@ class UpstreamPool(httpx.AsyncBaseTransport):
         except BaseException:
             self._slots.release()
             raise
-        return httpx.Response(
-            response.status,
-            headers=response.headers,
-            stream=_ReturningStream(self, connection, response.stream),
-            extensions=response.extensions,
-        )
+        response.stream = _ReturningStream(self, connection, response.stream)  # type: ignore[arg-type]
+        return response
 
     async def _connection(self) -> httpcore.AsyncHTTPConnection:
         while self._idle:
