@@ -111,7 +111,8 @@ def pool(tmp_path_factory) -> Iterator[Pool]:
         while serve.status().applications[APP].status != "RUNNING":
             assert time.monotonic() < deadline, serve.status().applications[APP]
             time.sleep(0.2)
-        encoder = RayServeEncoder(APP, health_interval_s=0.5)
+        # One call per request: the tests about spreading count calls per replica.
+        encoder = RayServeEncoder(APP, health_interval_s=0.5, coalesce_ms=0)
         try:
             yield Pool(checkpoint, address, encoder, gateway, gateway_url)
         finally:
@@ -173,6 +174,27 @@ def test_serve_batch_gives_the_same_results(pool):
     for got, want in zip(results, local_results(pool.checkpoint, images), strict=True):
         torch.testing.assert_close(got.embedding, want.embedding, rtol=1e-5, atol=1e-6)
     assert calls < len(images)  # @serve.batch merged concurrent requests
+
+
+def test_concurrent_requests_share_a_call(pool):
+    """The gateway's coalescing (the default): one Serve call for requests arriving together,
+    each request its own slice of the answer, in order."""
+    encoder = RayServeEncoder(APP, coalesce_ms=20)
+    requests = [[png(36 + i, 30, 600 + 2 * i), png(30, 36 + i, 601 + 2 * i)] for i in range(6)]
+
+    async def go():
+        try:
+            return await asyncio.gather(*(encoder.encode(r) for r in requests))
+        finally:
+            await encoder.close()
+
+    answers = run(go())
+    assert encoder.calls < len(requests)
+    flat = local_results(pool.checkpoint, [image for r in requests for image in r])
+    got = [result for answer in answers for result in answer]
+    assert [len(a) for a in answers] == [2] * len(requests)
+    for result, want in zip(got, flat, strict=True):
+        torch.testing.assert_close(result.embedding, want.embedding, rtol=1e-5, atol=1e-6)
 
 
 def test_requests_spread_over_both_replicas(pool):
@@ -241,12 +263,23 @@ def test_killing_a_replica_mid_request(pool):
     strict = RayServeEncoder(APP, retries=0)
     retrying = RayServeEncoder(APP, retries=1)
 
-    strict_requests = [heavy_request(i) for i in range(2)]
+    strict_requests = [heavy_request(i) for i in range(6)]
     retry_requests = [heavy_request(10 + i) for i in range(2)]
 
     async def go():
-        strict_tasks = [asyncio.ensure_future(strict.encode(r)) for r in strict_requests]
-        before = await until(lambda info: sum(i["ongoing"] for i in info) == 2, retrying)
+        # Strict requests, one at a time, until both replicas hold one (the router may
+        # well send the first two to the same replica); whichever replica then gets a
+        # retrying request holds requests of both adapters.
+        strict_tasks: list[asyncio.Future] = []
+        sent = sum(i["requests"] for i in await retrying.info())
+        for request in strict_requests:
+            strict_tasks.append(asyncio.ensure_future(strict.encode(request)))
+            sent += 1
+            before = await until(
+                lambda info, n=sent: sum(i["requests"] for i in info) == n, retrying
+            )
+            if all(i["ongoing"] for i in before):
+                break
         was = {i["replica"]: i for i in before}
         retry_tasks = [asyncio.ensure_future(retrying.encode(r)) for r in retry_requests]
 
@@ -260,10 +293,11 @@ def test_killing_a_replica_mid_request(pool):
 
         victim = holding_both(await until(holding_both, retrying))
         os.kill(victim["pid"], signal.SIGKILL)
-        done = await asyncio.wait_for(asyncio.gather(*strict_tasks, *retry_tasks), 60)
+        strict_done = await asyncio.wait_for(asyncio.gather(*strict_tasks), 60)
+        retry_done = await asyncio.wait_for(asyncio.gather(*retry_tasks), 60)
         await strict.close()
         await retrying.close()
-        return done[:2], done[2:]
+        return strict_done, retry_done
 
     strict_results, retry_results = run(go())
     codes = [{r.error.code.value if r.error else "ok" for r in res} for res in strict_results]
