@@ -246,7 +246,7 @@ class _Exchange:
                 if remaining == 0:  # the declared length is complete: one send, not two
                     self.finished = True
                     await self.send({"type": "http.response.body", "body": chunk})
-                    return
+                    continue  # read on to the end of the message, so the connection is reused
                 await self.send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as exc:
             violation = _violation(exc, self.proxy.settings, started=True)
@@ -260,8 +260,9 @@ class _Exchange:
             self.finished = True
             await self.send({"type": "http.response.body", "body": prefix + event})
             return
-        self.finished = True
-        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+        if not self.finished:
+            self.finished = True
+            await self.send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _observe(self, status: int | None, code: str | None) -> None:
         if self.proxy.on_upstream is not None:

@@ -51,6 +51,8 @@ class Route:
 
     def order(self) -> list[Target]:
         """Healthy targets first, drawn by weight; the down ones last, as a last resort."""
+        if len(self.targets) == 1:
+            return [self.targets[0][0]]
         healthy = [(t, w) for t, w in self.targets if t.healthy]
         ordered: list[Target] = []
         while healthy:
