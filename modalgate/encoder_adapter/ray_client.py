@@ -111,7 +111,6 @@ class RayServeEncoder:
 
     async def _send(self, payload: list[bytes]) -> list[Encoded]:
         """One call, retried on another replica when its replica is lost."""
-        from ray.exceptions import RayActorError, RayTaskError
         from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
         deadline = time.monotonic() + self.timeout_s
@@ -120,18 +119,19 @@ class RayServeEncoder:
                 reply = await self._call(payload, deadline)
             except Overloaded:
                 raise
-            except BackPressureError as exc:
+            except BackPressureError as exc:  # this gateway's queue for the pool is full
                 raise Overloaded(exc.retry_after_s or 1.0) from None
-            except DeploymentUnavailableError:
+            except DeploymentUnavailableError:  # the application failed to deploy
                 raise Overloaded(self.unavailable_retry_after_s) from None
-            except _replica_lost_errors() as exc:
-                if attempt < self.retries:
+            except Exception as exc:
+                if not _replica_lost(exc):  # a replica-side bug: retrying would repeat it
+                    logger.exception("the encoder pool failed on a request")
+                elif attempt < self.retries:
                     self.retried += 1
                     logger.warning("encoder replica lost mid-request (%s); retrying", _short(exc))
                     continue
-                logger.error("encoder replica lost mid-request (%s); giving up", _short(exc))
-            except (RayTaskError, RayActorError, Exception):  # a bug, not a lost replica
-                logger.exception("the encoder pool failed on a request")
+                else:
+                    logger.error("encoder replica lost mid-request (%s); giving up", _short(exc))
             else:
                 return self._unpack(reply)
             break
@@ -264,12 +264,14 @@ async def _awaited(response: Any) -> PoolReply:
     return await response
 
 
-def _replica_lost_errors() -> tuple[type[BaseException], ...]:
-    """A replica process gone (killed, node lost) or unreachable: worth another replica."""
+def _replica_lost(exc: BaseException) -> bool:
+    """A replica process gone (killed, node lost) or unreachable: worth another replica.
+    Ray may wrap the actor's death in a RayTaskError; its ``cause`` tells."""
     from ray.exceptions import ActorDiedError, ActorUnavailableError
     from ray.serve.exceptions import ReplicaUnavailableError
 
-    return (ActorDiedError, ActorUnavailableError, ReplicaUnavailableError)
+    lost = (ActorDiedError, ActorUnavailableError, ReplicaUnavailableError)
+    return isinstance(exc, lost) or isinstance(getattr(exc, "cause", None), lost)
 
 
 def _short(exc: BaseException) -> str:
