@@ -185,6 +185,22 @@ def test_client_disconnect_cancels_the_upstream_stream(gateway, toy):
     assert len(toy.token_sent_at) < 20
 
 
+def test_client_disconnect_before_the_answer_closes_the_upstream_request(gateway, toy):
+    """A non-streamed completion: the client gives up while the server is still thinking."""
+    toy.behaviour = Behaviour(headers_delay_s=1.5)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            gateway.url + "/v1/chat/completions",
+            json=chat("hi"),
+            headers={"x-request-id": "gives-up-early"},
+            timeout=httpx.Timeout(5, read=0.3),
+        )
+    line = gateway.wait_for_log(
+        lambda r: r.get("request_id") == "gives-up-early" and r.get("logger") == "modalgate.proxy"
+    )
+    assert line["event"] == "client disconnected; upstream request closed"
+
+
 def test_request_id_round_trips(gateway, toy):
     response = httpx.post(
         gateway.url + "/v1/chat/completions", json=chat("hi"), headers={"x-request-id": "req-42.a"}
