@@ -46,8 +46,7 @@ from modalgate.policy import Policy, RuleMatcher, load_policy
 
 VALIDATE_PATH = "/v1/validate"
 MODELS_PATH = "/v1/models"
-RETIRED_STAGE_GRACE_S = 60.0  # a replaced fetcher closes once requests using it are done
-logger = logging.getLogger("modalgate.gateway")
+RETIRED_GRACE_S = 60.0  # a replaced fetcher or upstream pool outlives its last requests
 
 
 class Gateway:
@@ -200,10 +199,13 @@ class Gateway:
                 await adapter.close()
 
 
-async def _close_later(stage: object) -> None:
-    with anyio.CancelScope(shield=False):
-        await anyio.sleep(RETIRED_STAGE_GRACE_S)
-    await stage.aclose()  # type: ignore[attr-defined]
+async def _close_later(resource: object) -> None:
+    """Close what a reload replaced once requests using it are done, or at shutdown."""
+    try:
+        await anyio.sleep(RETIRED_GRACE_S)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await resource.aclose()  # type: ignore[attr-defined]
 
 
 def fallback_problems(policy: Policy, mode: str | None) -> list[str]:

@@ -43,7 +43,7 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
-# Request headers the proxy sets itself: httpx writes Host from the upstream URL.
+# Request headers the proxy sets itself: Host is the upstream's.
 _REPLACED_REQUEST = frozenset({b"host"})
 
 # (seconds to the response's start, status or None, error code or None, route name)
