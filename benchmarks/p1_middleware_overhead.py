@@ -24,22 +24,18 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from _common import machine_line, result_line, spread, table
+from _servers import PATH, ServerProcess, check_gate_in_path, free_port, pin, uvicorn_command
 
 NAME = "p1_middleware_overhead"
 TARGET = 0.90
 HERE = Path(__file__).resolve().parent
-PATH = "/v1/chat/completions"
 
 REQUEST = {
     "model": "kimi-k3",
@@ -104,80 +100,11 @@ wrk.body = [==[{body}]==]
 """
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def pin(cpu: int | None) -> list[str]:
-    return ["taskset", "-c", str(cpu)] if cpu is not None else []
-
-
-class Server:
+class Server(ServerProcess):
     def __init__(self, name: str, factory: str, cpu: int | None) -> None:
-        self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}{PATH}"
-        command = [
-            *pin(cpu),
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "--factory",
-            f"{Path(__file__).stem}:{factory}",
-            "--app-dir",
-            str(HERE),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--workers",
-            "1",
-            "--no-access-log",
-            "--log-level",
-            "warning",
-        ]
-        self.process = subprocess.Popen(command)
-
-    def wait_ready(self, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} server exited with {self.process.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"{self.name} server did not start")
-
-    def post(self, body: bytes) -> tuple[int, dict]:
-        request = urllib.request.Request(
-            self.url, data=body, headers={"Content-Type": "application/json"}, method="POST"
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
-
-    def cpu_seconds(self) -> float:
-        """User + system CPU time the server process has used (Linux /proc; 0 elsewhere)."""
-        try:
-            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        port = free_port()
+        command = uvicorn_command(f"{Path(__file__).stem}:{factory}", HERE, port, cpu)
+        super().__init__(name, command, port)
 
 
 def run_wrk(
@@ -204,26 +131,6 @@ def run_wrk(
     if errors:
         bad += sum(int(n) for n in errors.groups())
     return rate, total, bad
-
-
-def check_servers(bare: Server, gated: Server) -> None:
-    """Both answer the benchmark request alike, and the gate is really in the path."""
-    body = REQUEST_BODY.encode()
-    status_bare, answer_bare = bare.post(body)
-    status_gated, answer_gated = gated.post(body)
-    assert status_bare == status_gated == 200, (status_bare, status_gated)
-    assert answer_bare == answer_gated and answer_bare["model"] == "kimi-k3"
-    video = {
-        "model": "kimi-k3",
-        "messages": [
-            {
-                "role": "user",
-                "content": [{"type": "video_url", "video_url": {"url": "https://x.test/a.mp4"}}],
-            }
-        ],
-    }
-    status, answer = gated.post(json.dumps(video).encode())
-    assert status == 400 and answer["error"]["code"] == "unsupported_modality", (status, answer)
 
 
 def in_process_costs(repeats: int) -> dict[str, float]:
@@ -337,7 +244,7 @@ def main() -> None:
         try:
             bare.wait_ready()
             gated.wait_ready()
-            check_servers(bare, gated)
+            check_gate_in_path(bare, gated, REQUEST_BODY.encode())
             warm_up = 1 if args.quick else 3  # seconds: imports, caches, allocator settling
             for server in (bare, gated):
                 run_wrk(server.url, script, warm_up, args.threads, args.connections, wrk_cpu)
@@ -391,7 +298,7 @@ def main() -> None:
         "replay, per-request objects)"
     )
     print(
-        f"  a bare request over HTTP costs ~{http_us:.0f} us here (uvicorn + h11 dominate): "
+        f"  a bare request over HTTP costs ~{http_us:.0f} us here (the uvicorn server dominates): "
         f"expected ratio ~{http_us / (http_us + overhead):.2f}"
     )
     if problems:

@@ -65,32 +65,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import re
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from _common import machine_line, result_line, spread, table
-from p1_middleware_overhead import REQUEST, REQUEST_BODY, WRK_LUA, free_port
+from _servers import PATH, ServerProcess, check_gate_in_path, free_port, pin, uvicorn_command
+from p1_middleware_overhead import REQUEST, REQUEST_BODY, WRK_LUA
 
 NAME = "p6_proxy_overhead"
 TARGET = 0.85
 HERE = Path(__file__).resolve().parent
-PATH = "/v1/chat/completions"
 HEADLINE_SERVICE_MS = 100.0
 STRESS_SERVICE_MS = (20.0, 0.0)  # reported, no target
 STREAM_SERVICE_MS = 20.0
@@ -167,68 +162,6 @@ COMPLETION: dict[str, Any] = {
 # ---------------------------------------------------------------- processes
 
 
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): SIGTERM when this script dies, even by SIGKILL."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def pin(cpu: int | None) -> list[str]:
-    return ["taskset", "-c", str(cpu)] if cpu is not None else []
-
-
-class Process:
-    """A server subprocess on 127.0.0.1:port; stopped by ``stop()`` (and with this script)."""
-
-    def __init__(self, name: str, command: list[str], port: int, env: dict[str, str]) -> None:
-        self.name = name
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}{PATH}"
-        preexec = _die_with_parent if sys.platform.startswith("linux") else None
-        self.process = subprocess.Popen(command, env=env, preexec_fn=preexec)
-
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"{self.name} did not start within {timeout:g} s")
-
-    def post(self, body: bytes) -> tuple[int, dict[str, Any]]:
-        request = urllib.request.Request(
-            self.url, data=body, headers={"Content-Type": "application/json"}, method="POST"
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
-
-    def cpu_seconds(self) -> float:
-        """User + system CPU time of the process (Linux /proc; 0 elsewhere)."""
-        try:
-            stat = Path(f"/proc/{self.process.pid}/stat").read_text()
-        except OSError:
-            return 0.0
-        fields = stat.rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
 def _clean_env(**extra: str) -> dict[str, str]:
     """This environment without MODALGATE_* settings, so only the flags shape the gateway."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODALGATE_")}
@@ -236,32 +169,14 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start_upstream(service_ms: float, cpu: int | None) -> Process:
+def start_upstream(service_ms: float, cpu: int | None) -> ServerProcess:
     port = free_port()
-    command = [
-        *pin(cpu),
-        sys.executable,
-        "-m",
-        "uvicorn",
-        "--factory",
-        f"{Path(__file__).stem}:make_upstream",
-        "--app-dir",
-        str(HERE),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workers",
-        "1",
-        "--no-access-log",
-        "--log-level",
-        "warning",
-    ]
+    command = uvicorn_command(f"{Path(__file__).stem}:make_upstream", HERE, port, cpu)
     env = _clean_env(P6_SERVICE_MS=f"{service_ms:g}")
-    return Process(f"upstream ({service_ms:g} ms)", command, port, env)
+    return ServerProcess(f"upstream ({service_ms:g} ms)", command, port, env)
 
 
-def start_gateway(upstream: Process, cpu: int | None) -> Process:
+def start_gateway(upstream: ServerProcess, cpu: int | None) -> ServerProcess:
     port = free_port()
     command = [
         *pin(cpu),
@@ -277,11 +192,11 @@ def start_gateway(upstream: Process, cpu: int | None) -> Process:
         "warning",
         "--no-access-log",
     ]
-    return Process(f"gateway -> {upstream.name}", command, port, _clean_env())
+    return ServerProcess(f"gateway -> {upstream.name}", command, port, _clean_env())
 
 
 @contextlib.contextmanager
-def stopping(processes: list[Process]) -> Iterator[list[Process]]:
+def stopping(processes: list[ServerProcess]) -> Iterator[list[ServerProcess]]:
     """Every process appended to the list is stopped on the way out, error or not."""
     try:
         yield processes
@@ -291,26 +206,6 @@ def stopping(processes: list[Process]) -> Iterator[list[Process]]:
 
 
 # ---------------------------------------------------------------- checks and load
-
-
-def check_pair(upstream: Process, gateway: Process) -> None:
-    """Same answer both ways, and the gate is in the path (a video part is refused)."""
-    body = REQUEST_BODY.encode()
-    status_direct, answer_direct = upstream.post(body)
-    status_proxied, answer_proxied = gateway.post(body)
-    assert status_direct == status_proxied == 200, (status_direct, status_proxied)
-    assert answer_direct == answer_proxied and answer_direct["model"] == "kimi-k3"
-    video = {
-        "model": "kimi-k3",
-        "messages": [
-            {
-                "role": "user",
-                "content": [{"type": "video_url", "video_url": {"url": "https://x.test/a.mp4"}}],
-            }
-        ],
-    }
-    status, answer = gateway.post(json.dumps(video).encode())
-    assert status == 400 and answer["error"]["code"] == "unsupported_modality", (status, answer)
 
 
 @dataclass
@@ -356,8 +251,8 @@ class Scenario:
 
 def throughput(
     service_ms: float,
-    upstream: Process,
-    gateway: Process,
+    upstream: ServerProcess,
+    gateway: ServerProcess,
     script: str,
     rounds: int,
     seconds: float,
@@ -398,7 +293,9 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-def streamed_latency(upstream: Process, gateway: Process, requests: int) -> dict[str, list[float]]:
+def streamed_latency(
+    upstream: ServerProcess, gateway: ServerProcess, requests: int
+) -> dict[str, list[float]]:
     """Seconds to the first body bytes and to the end, per request, direct and proxied."""
     import httpx
 
@@ -487,7 +384,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, stopping([]) as processes:
         script = str(Path(tmp) / "post.lua")
         Path(script).write_text(WRK_LUA.format(body=REQUEST_BODY))
-        pairs: list[tuple[float, Process, Process]] = []
+        pairs: list[tuple[float, ServerProcess, ServerProcess]] = []
         for service_ms in (HEADLINE_SERVICE_MS, *STRESS_SERVICE_MS):
             upstream = start_upstream(service_ms, upstream_cpu)
             processes.append(upstream)
@@ -497,7 +394,7 @@ def main() -> None:
         for _, upstream, gateway in pairs:
             upstream.wait_ready()
             gateway.wait_ready()
-            check_pair(upstream, gateway)
+            check_gate_in_path(upstream, gateway, REQUEST_BODY.encode())
         for service_ms, upstream, gateway in pairs:
             scenarios.append(
                 throughput(
