@@ -16,7 +16,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from modalgate.encoder_adapter import EncoderAdapter, Overloaded
 from modalgate.errors import ErrorCode, Violation, error_json
-from modalgate.gateway.middleware import get_verdict
+from modalgate.gateway.middleware import get_verdict, with_content_length
 from modalgate.gateway.responses import send_error, send_json
 from modalgate.gateway.routes import Upstreams
 from modalgate.policy.models import EmbedsSpec
@@ -43,9 +43,8 @@ class Forwarder:
         rewritten = await self._rewrite(verdict, embeds, send)
         if rewritten is None:
             return
-        headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
-        headers.append((b"content-length", str(len(rewritten)).encode()))
-        await route.forward(dict(scope, headers=headers), _body_then(rewritten, receive), send)
+        scope = dict(scope, headers=with_content_length(scope, len(rewritten)))
+        await route.forward(scope, _body_then(rewritten, receive), send)
 
     async def _rewrite(self, verdict: Verdict, embeds: EmbedsSpec, send: Send) -> bytes | None:
         """The body with image_embeds parts; None once an error has been sent."""

@@ -137,7 +137,7 @@ class _GatedRequest:
                 send = _with_header(send, ROUTED_TO_HEADER, (verdict.model or "").encode())
                 if verdict.accepted:
                     body = await self.gate.run_cpu(received, orjson.dumps, verdict.request)
-                    scope = dict(scope, headers=_with_content_length(scope, len(body)))
+                    scope = dict(scope, headers=with_content_length(scope, len(body)))
         if verdict.accepted and verdict.remote_parts:
             await self.media.fetch(verdict)
             if verdict.accepted and self.media.inline:
@@ -146,7 +146,7 @@ class _GatedRequest:
                 body = await self.gate.run_cpu(
                     len(body) + fetched, self.media.inlined_body, verdict
                 )
-                scope = dict(scope, headers=_with_content_length(scope, len(body)))
+                scope = dict(scope, headers=with_content_length(scope, len(body)))
         self._report(verdict, verdict.violations, received)
         if not verdict.accepted:
             await send_error(send, verdict.violations)
@@ -221,7 +221,7 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def _with_content_length(scope: Scope, length: int) -> list[tuple[bytes, bytes]]:
+def with_content_length(scope: Scope, length: int) -> list[tuple[bytes, bytes]]:
     headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-length"]
     headers.append((b"content-length", str(length).encode()))
     return headers
