@@ -81,7 +81,7 @@ from typing import Any
 
 from _common import machine_line, result_line, spread, table
 from _servers import PATH, ServerProcess, check_gate_in_path, free_port, pin, uvicorn_command
-from p1_middleware_overhead import REQUEST, REQUEST_BODY, WRK_LUA
+from p1_middleware_overhead import COMPLETION, REQUEST, REQUEST_BODY, WRK_LUA
 
 NAME = "p6_proxy_overhead"
 TARGET = 0.85
@@ -144,20 +144,6 @@ def make_upstream() -> Any:
 
     return Starlette(routes=[Route(PATH, chat_completions, methods=["POST"])])
 
-
-COMPLETION: dict[str, Any] = {
-    "id": "chatcmpl-bench",
-    "object": "chat.completion",
-    "created": 1764633600,
-    "choices": [
-        {
-            "index": 0,
-            "message": {"role": "assistant", "content": "A process has its own memory; ..."},
-            "finish_reason": "stop",
-        }
-    ],
-    "usage": {"prompt_tokens": 52, "completion_tokens": 9, "total_tokens": 61},
-}
 
 # ---------------------------------------------------------------- processes
 

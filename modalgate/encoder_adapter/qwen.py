@@ -40,6 +40,7 @@ from modalgate.encoder_adapter.base import LocalImageAdapter, Output
 from modalgate.encoder_adapter.batching import BatchSettings
 from modalgate.encoder_adapter.kimi_checkpoint import EncoderLoadError
 from modalgate.encoder_adapter.transformers_encoder import (
+    LoadedTower,
     _check_state,
     _materialise_buffers,
     _resolve_device,
@@ -93,7 +94,7 @@ class _QwenVisionPath(nn.Module):
         return torch.cat([output.pooler_output, *output.deepstack_features], dim=1)
 
 
-class QwenVisionEncoder:
+class QwenVisionEncoder(LoadedTower):
     """A Qwen-VL tower (+ merger) loaded vision-only from a local directory, ready to ``encode``.
 
     ``device="auto"`` picks CUDA when available; ``dtype=None`` means bfloat16 on CUDA (what
@@ -136,41 +137,9 @@ class QwenVisionEncoder:
         """The spatial merge: each output row is ``merge x merge`` patches."""
         return self._merge
 
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
-
-    @property
-    def model(self) -> nn.Module:
-        """The loaded module: ``visual`` only, no language model."""
-        return self._module
-
-    @property
-    def checkpoint_keys(self) -> tuple[str, ...]:
-        """The checkpoint tensor names that were read: the tower's, nothing else."""
-        return self._checkpoint_keys
-
-    def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
-        """Synchronous: one forward over the batch; one ``[t*h*w/merge², hidden]`` float32 CPU
-        tensor per image. Inputs are the processor's ``pixel_values`` ``[patches, C*T*P*P]``
-        and ``image_grid_thw`` ``[images, 3]``; inconsistent ones raise ``ValueError`` before
-        any compute. On CUDA each image's tensor is its own copy (a cache may keep one
-        without pinning the batch); on the CPU, each is a view of the batch output."""
-        sizes = self._tokens_per_image(pixel_values, grid_thw)
-        if not sizes:
-            return []
-        with torch.inference_mode():
-            features = self._module(
-                pixel_values.to(self._device, self._dtype, non_blocking=True),
-                grid_thw.to(self._device, torch.long),
-            )
-            return [chunk.to("cpu", torch.float32) for chunk in torch.split(features, sizes)]
-
     def _tokens_per_image(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[int]:
+        """The processor's ``pixel_values`` ``[patches, C*T*P*P]`` and ``image_grid_thw``
+        ``[images, 3]`` checked; each image gives ``t*h*w/merge²`` rows."""
         if grid_thw.ndim != 2 or grid_thw.shape[1] != 3 or grid_thw.dtype.is_floating_point:
             raise ValueError(f"grid_thw must be [images, 3] integers, got {list(grid_thw.shape)}")
         if pixel_values.ndim != 2 or pixel_values.shape[1] != self._patch_width:

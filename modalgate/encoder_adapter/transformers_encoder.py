@@ -83,7 +83,56 @@ class _KimiVisionPath(nn.Module):
         return self.mm_projector(pooled).squeeze(1)
 
 
-class TransformersVisionEncoder:
+class LoadedTower:
+    """What every vision-only tower loaded here shares: where it runs, in which dtype, the
+    module, the tensors read, and the batched forward split per image. Subclasses load
+    ``_module`` and say how many output rows each image gives (``_tokens_per_image``)."""
+
+    _device: torch.device
+    _dtype: torch.dtype
+    _module: nn.Module
+    _checkpoint_keys: tuple[str, ...]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the forward pass runs."""
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype of the weights (outputs are always float32)."""
+        return self._dtype
+
+    @property
+    def model(self) -> nn.Module:
+        """The loaded module: the tower (and its merger or projector), no language model."""
+        return self._module
+
+    @property
+    def checkpoint_keys(self) -> tuple[str, ...]:
+        """The checkpoint tensor names that were read: the tower's, nothing else."""
+        return self._checkpoint_keys
+
+    def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """Synchronous: one forward over the whole batch; one ``[tokens, hidden]`` float32 CPU
+        tensor per image. Inputs that cannot belong together raise ``ValueError`` before any
+        compute, so a bad batch never reaches the device. On CUDA each image's tensor is its
+        own copy (a cache may keep one without pinning the batch); on the CPU, a view."""
+        sizes = self._tokens_per_image(pixel_values, grid_thw)
+        if not sizes:
+            return []
+        with torch.inference_mode():
+            features = self._module(
+                pixel_values.to(self._device, self._dtype, non_blocking=True),
+                grid_thw.to(self._device, torch.long),
+            )
+            return [chunk.to("cpu", torch.float32) for chunk in torch.split(features, sizes, dim=0)]
+
+    def _tokens_per_image(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[int]:
+        raise NotImplementedError
+
+
+class TransformersVisionEncoder(LoadedTower):
     """Kimi-K2.5 MoonViT (+ projector) loaded from a local directory, ready to ``encode``.
 
     ``device="auto"`` picks CUDA when available; ``dtype=None`` means bfloat16 on CUDA (what the
@@ -149,50 +198,10 @@ class TransformersVisionEncoder:
             for key, value in self._preprocessor.items()
         }
 
-    @property
-    def device(self) -> torch.device:
-        """Where the forward pass runs."""
-        return self._device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The compute dtype of the weights (outputs are always float32)."""
-        return self._dtype
-
-    @property
-    def model(self) -> nn.Module:
-        """The loaded module (``vision_tower`` and, for a full checkpoint, ``mm_projector``)."""
-        return self._module
-
-    @property
-    def checkpoint_keys(self) -> tuple[str, ...]:
-        """The checkpoint tensor names that were read: vision tower and projector, nothing else."""
-        return self._checkpoint_keys
-
-    # ------------------------------------------------------------------ encoding
-
-    def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
-        """Synchronous: one forward over the whole batch; returns one [tokens, hidden] tensor per
-        image (split by grid_thw), on the CPU, float32.
-
-        Inputs are ``Kimi_K25ImageProcessor``'s: ``pixel_values`` ``[patches, 3, p, p]`` and
-        ``grid_thw`` ``[images, 3]``. Each image gives ``(h/kh)*(w/kw)`` tokens (frames of a clip
-        are pooled). Inputs that cannot belong together raise ``ValueError`` before any compute,
-        so a bad batch never reaches the device. On CUDA each image's tensor is its own copy
-        (a cache may keep one without pinning the whole batch).
-        """
-        sizes = self._tokens_per_image(pixel_values, grid_thw)
-        if not sizes:
-            return []
-        with torch.inference_mode():
-            features = self._module(
-                pixel_values.to(self._device, self._dtype, non_blocking=True),
-                grid_thw.to(self._device, torch.long),
-            )
-            return [chunk.to("cpu", torch.float32) for chunk in torch.split(features, sizes, dim=0)]
-
     def _tokens_per_image(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[int]:
-        """Validate the batch's shapes and return each image's output token count."""
+        """``Kimi_K25ImageProcessor``'s ``pixel_values`` ``[patches, 3, p, p]`` and ``grid_thw``
+        ``[images, 3]`` checked; each image gives ``(h/kh)*(w/kw)`` rows (a clip's frames are
+        pooled)."""
         if grid_thw.ndim != 2 or grid_thw.shape[1] != 3:
             raise ValueError(f"grid_thw must be [images, 3], got {list(grid_thw.shape)}")
         if grid_thw.dtype.is_floating_point or grid_thw.dtype == torch.bool:
