@@ -134,55 +134,51 @@ def main() -> None:
         )
         ratios = {}
 
-        print(f"\n-- hop: {args.hop_burst} concurrent one-image requests, local vs 1 replica")
-        start = time.perf_counter()
-        hop = interleaved(
-            burst(local, args.hop_burst),
-            burst(one, args.hop_burst),
-            rounds,
-            reps,
-            ratio=lambda local_s, pool_s: pool_s / local_s,
+        def compare(title: str, a: tuple[str, object], b: tuple[str, object], n: int, ratio):
+            """One side-by-side comparison: interleaved bursts of ``n``, printed."""
+            print(f"\n-- {title}")
+            start = time.perf_counter()
+            result = interleaved(burst(a[1], n), burst(b[1], n), rounds, reps, ratio=ratio)
+            print_rounds(result, a[0], b[0], time.perf_counter() - start)
+            return result
+
+        hop = compare(
+            f"hop: {args.hop_burst} concurrent one-image requests, local vs 1 replica",
+            ("local", local),
+            ("1 replica", one),
+            args.hop_burst,
+            lambda local_s, pool_s: pool_s / local_s,
         )
-        print_rounds(hop, "local", "1 replica", time.perf_counter() - start)
         ratios["hop"] = hop.ratio
 
-        print(f"\n-- scale: {args.burst} concurrent one-image requests, 1 vs 2 replicas")
-        start = time.perf_counter()
-        scale = interleaved(
-            burst(one, args.burst),
-            burst(two, args.burst),
-            rounds,
-            reps,
-            ratio=lambda one_s, two_s: one_s / two_s,
+        scale = compare(
+            f"scale: {args.burst} concurrent one-image requests, 1 vs 2 replicas",
+            ("1 replica", one),
+            ("2 replicas", two),
+            args.burst,
+            lambda one_s, two_s: one_s / two_s,
         )
-        print_rounds(scale, "1 replica", "2 replicas", time.perf_counter() - start)
         for label, seconds in (("1 replica", scale.a), ("2 replicas", scale.b)):
             rate = args.burst / float(np.median(seconds))
             print(f"{label}: {rate:.0f} images/s ({rate / int(label[0]):.0f} per replica)")
         ratios["scale"] = scale.ratio
 
-        print(f"\n-- coalesce: {args.burst} requests on 2 replicas, one call each vs shared")
-        start = time.perf_counter()
-        coalesce = interleaved(
-            burst(two_plain, args.burst),
-            burst(two, args.burst),
-            rounds,
-            reps,
-            ratio=lambda plain_s, shared_s: plain_s / shared_s,
+        coalesce = compare(
+            f"coalesce: {args.burst} requests on 2 replicas, one call each vs shared",
+            ("one call each", two_plain),
+            ("coalesced", two),
+            args.burst,
+            lambda plain_s, shared_s: plain_s / shared_s,
         )
-        print_rounds(coalesce, "one call each", "coalesced", time.perf_counter() - start)
         ratios["coalesce"] = coalesce.ratio
 
-        print(f"\n-- batching: {args.burst} requests on 2 replicas, modalgate vs @serve.batch")
-        start = time.perf_counter()
-        batching = interleaved(
-            burst(two_plain, args.burst),
-            burst(two_serve, args.burst),
-            rounds,
-            reps,
-            ratio=lambda modalgate_s, serve_s: serve_s / modalgate_s,
+        batching = compare(
+            f"batching: {args.burst} requests on 2 replicas, modalgate vs @serve.batch",
+            ("modalgate", two_plain),
+            ("@serve.batch", two_serve),
+            args.burst,
+            lambda modalgate_s, serve_s: serve_s / modalgate_s,
         )
-        print_rounds(batching, "modalgate", "@serve.batch", time.perf_counter() - start)
         for label, adapter in (
             ("modalgate", two_plain),
             ("@serve.batch", two_serve),
