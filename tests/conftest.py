@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
+import numpy as np
 import orjson
 import pybase64
 import pytest
@@ -29,6 +30,15 @@ from modalgate.policy import RuleMatcher, load_policy
 def image_bytes(fmt: str = "PNG", size: tuple[int, int] = (64, 48), mode: str = "RGB") -> bytes:
     buffer = io.BytesIO()
     Image.new(mode, size, "red" if mode == "RGB" else 1).save(buffer, fmt)
+    return buffer.getvalue()
+
+
+def noise_png(width: int, height: int, seed: int) -> bytes:
+    """A photo-like (random) RGB PNG: each seed a different image, so caches cannot mix them."""
+    rng = np.random.default_rng(seed)
+    image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
     return buffer.getvalue()
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import MP4_BYTES, chat, data_url, free_port, image_part, serve
+from conftest import MP4_BYTES, chat, data_url, free_port, image_part, noise_png, serve
 from kimi_tiny import processor, save_full_checkpoint
 from modalgate.encoder_adapter import BatchSettings, Overloaded, create_encoder
 from modalgate.encoder_adapter.local import KimiEncoderAdapter
@@ -29,14 +29,6 @@ from modalgate.gateway.app import create_app
 from modalgate.policy import parse_policy
 
 SIZES = [(60, 45), (30, 100), (28, 28), (200, 90)]
-
-
-def png(width: int, height: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +57,7 @@ def encode(adapter: KimiEncoderAdapter, images: list[bytes]):
 
 def test_embeddings_equal_the_models_own_forward(checkpoint):
     directory, model = checkpoint
-    images = [png(w, h, seed) for seed, (w, h) in enumerate(SIZES)]
+    images = [noise_png(w, h, seed) for seed, (w, h) in enumerate(SIZES)]
     adapter = create_encoder(f"kimi:{directory}")  # what --encoder gives: device auto
     on_gpu = torch.cuda.is_available()  # bf16 there
     tolerance = {"rtol": 5e-2, "atol": 5e-2} if on_gpu else {"rtol": 1e-5, "atol": 1e-5}
@@ -80,7 +72,7 @@ def test_embeddings_equal_the_models_own_forward(checkpoint):
 
 def test_a_bad_image_fails_alone_and_the_cache_serves_repeats(checkpoint):
     directory, model = checkpoint
-    good = png(64, 40, 7)
+    good = noise_png(64, 40, 7)
     adapter = KimiEncoderAdapter(directory, device="cpu")
 
     async def run():
@@ -103,7 +95,7 @@ def test_a_bad_image_fails_alone_and_the_cache_serves_repeats(checkpoint):
 
 def test_concurrent_requests_are_batched_and_land_on_the_right_request(checkpoint):
     directory, model = checkpoint
-    images = [png(40 + 4 * i, 30 + 2 * i, 100 + i) for i in range(16)]
+    images = [noise_png(40 + 4 * i, 30 + 2 * i, 100 + i) for i in range(16)]
     adapter = KimiEncoderAdapter(
         directory, device="cpu", batch=BatchSettings(max_items=8, max_wait_ms=50)
     )
@@ -124,7 +116,7 @@ def test_concurrent_requests_are_batched_and_land_on_the_right_request(checkpoin
 def test_a_full_queue_is_refused(checkpoint):
     adapter = KimiEncoderAdapter(checkpoint[0], batch=BatchSettings(max_queue=1))
     with pytest.raises(Overloaded):
-        encode(adapter, [png(30, 30, 1), png(31, 30, 2)])
+        encode(adapter, [noise_png(30, 30, 1), noise_png(31, 30, 2)])
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +133,7 @@ def decode_embedding(item: dict) -> np.ndarray:
 
 def test_encode_endpoint_returns_embeddings(encoder_url, checkpoint):
     url, _ = encoder_url
-    images = [png(60, 45, 1), png(30, 100, 2)]
+    images = [noise_png(60, 45, 1), noise_png(30, 100, 2)]
     request = chat(
         {"type": "text", "text": "describe"},
         *(image_part(data_url(image)) for image in images),
@@ -183,7 +175,7 @@ def test_video_never_reaches_the_encoder(encoder_url):
 def test_overload_is_a_503_with_retry_after(checkpoint):
     adapter = KimiEncoderAdapter(checkpoint[0], batch=BatchSettings(max_queue=0))
     with serve(create_app(policy=None, mode="encoder", encoder=adapter)) as url:
-        request = chat(image_part(data_url(png(30, 30, 3))), model="kimi-k3")
+        request = chat(image_part(data_url(noise_png(30, 30, 3))), model="kimi-k3")
         response = httpx.post(url + "/v1/encode", json=request, timeout=30)
     assert response.status_code == 503
     assert int(response.headers["retry-after"]) >= 1
@@ -224,7 +216,7 @@ def test_modalgate_serve_with_an_encoder(checkpoint, tmp_path):
                 pass
             assert time.monotonic() < deadline, "modalgate serve did not come up"
             time.sleep(0.2)
-        request = chat(image_part(data_url(png(50, 50, 4))), model="kimi-k3")
+        request = chat(image_part(data_url(noise_png(50, 50, 4))), model="kimi-k3")
         response = httpx.post(base + "/v1/encode", json=request, timeout=60)
         assert response.status_code == 200, response.text
         assert response.json()["data"][0]["shape"][0] == 4  # 50x50 -> pad 56x56 -> 2x2 tokens
@@ -249,7 +241,7 @@ models:
     with serve(create_app(policy=policy, mode="encoder")) as url:
         ok = httpx.post(
             url + "/v1/encode",
-            json=chat(image_part(data_url(png(50, 50, 5))), model="acme/house-vit-1"),
+            json=chat(image_part(data_url(noise_png(50, 50, 5))), model="acme/house-vit-1"),
             timeout=60,
         )
         assert ok.status_code == 200, ok.text
@@ -257,7 +249,7 @@ models:
         # kimi-k3 has no encoder here and there is no default: a clear 400, not a 500.
         missing = httpx.post(
             url + "/v1/encode",
-            json=chat(image_part(data_url(png(50, 50, 5))), model="kimi-k3"),
+            json=chat(image_part(data_url(noise_png(50, 50, 5))), model="kimi-k3"),
             timeout=60,
         )
     assert missing.status_code == 400

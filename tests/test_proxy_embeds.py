@@ -14,9 +14,8 @@ import openai
 import pybase64
 import pytest
 import torch
-from test_encoder_e2e import png
 
-from conftest import MP4_BYTES, data_url, serve
+from conftest import MP4_BYTES, data_url, noise_png, serve
 from gateway_proc import GatewayProcess
 from kimi_tiny import save_full_checkpoint
 from modalgate.encoder_adapter.local import KimiEncoderAdapter
@@ -77,7 +76,7 @@ def ask(gateway: GatewayProcess, model: str, images: list[bytes]):
 def test_images_reach_the_upstream_as_the_encoders_embeddings(setup):
     toy, gateway, directory = setup
     toy.received.clear()
-    images = [png(60, 45, 1), png(30, 100, 2)]
+    images = [noise_png(60, 45, 1), noise_png(30, 100, 2)]
     ask(gateway, "kimi-epd", images)
     (received,) = toy.received
     content = received.json()["messages"][0]["content"]
@@ -95,7 +94,7 @@ def test_images_reach_the_upstream_as_the_encoders_embeddings(setup):
 def test_the_grid_travels_where_the_family_needs_it(setup):
     toy, gateway, directory = setup
     toy.received.clear()
-    images = [png(50, 50, 3)]
+    images = [noise_png(50, 50, 3)]
     ask(gateway, "kimi-epd-grid", images)
     part = toy.received[0].json()["messages"][0]["content"][1]
     assert part["type"] == "image_embeds"
@@ -133,7 +132,7 @@ def test_what_the_rule_refuses_never_reaches_encoder_or_upstream(setup):
 def test_models_without_embeds_are_forwarded_untouched(setup):
     toy, gateway, _ = setup
     toy.received.clear()
-    image = data_url(png(40, 40, 5))
-    ask(gateway, "kimi-k3", [png(40, 40, 5)])
+    image = data_url(noise_png(40, 40, 5))
+    ask(gateway, "kimi-k3", [noise_png(40, 40, 5)])
     part = toy.received[0].json()["messages"][0]["content"][1]
     assert part == {"type": "image_url", "image_url": {"url": image}}

@@ -20,7 +20,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 import pybase64
 import pytest
@@ -37,7 +36,7 @@ from transformers import (
     Qwen3VLForConditionalGeneration,
 )
 
-from conftest import data_url
+from conftest import data_url, noise_png
 from modalgate.encoder_adapter import BatchSettings, available, create_encoder, transformers_encoder
 from modalgate.encoder_adapter import qwen as qwen_module
 from modalgate.encoder_adapter.qwen import EncoderLoadError, QwenEncoderAdapter
@@ -121,15 +120,7 @@ def save(model: Any, directory: Path, patch_size: int = 14) -> Path:
     return directory
 
 
-def png(width: int, height: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue()
-
-
-IMAGES = [png(w, h, seed) for seed, (w, h) in enumerate(SIZES)]
+IMAGES = [noise_png(w, h, seed) for seed, (w, h) in enumerate(SIZES)]
 
 
 def reference(model: Any, images: list[bytes], patch_size: int = 14) -> tuple[list, torch.Tensor]:
@@ -292,7 +283,7 @@ def test_a_batch_that_fails_is_retried_image_by_image(qwen25, monkeypatch) -> No
     """An image the processor refuses (aspect over 200:1) fails alone, with encoder_error."""
     directory, model = qwen25
     adapter = QwenEncoderAdapter(directory, device="cpu", batch=BatchSettings(max_wait_ms=200))
-    sliver = png(2000, 8, 9)
+    sliver = noise_png(2000, 8, 9)
     results = run(adapter, lambda a: a.encode([IMAGES[1], sliver, IMAGES[2]]))
     assert results[1].error is not None and results[1].error.code.value == "encoder_error"
     expected, _ = reference(model, [IMAGES[1], IMAGES[2]])

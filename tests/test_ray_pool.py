@@ -32,7 +32,7 @@ import torch
 import yaml
 from PIL import Image
 
-from conftest import MP4_BYTES, chat, data_url, free_port, image_part, serve
+from conftest import MP4_BYTES, chat, data_url, free_port, image_part, noise_png, serve
 from kimi_tiny import save_full_checkpoint
 from modalgate.encoder_adapter import Overloaded, create_encoder
 from modalgate.encoder_adapter.local import KimiEncoderAdapter
@@ -50,13 +50,6 @@ pytestmark = pytest.mark.ray
 
 APP = "mg-test-pool"
 SIZES = [(60, 45), (30, 100), (28, 28), (200, 90)]
-
-
-def png(width: int, height: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    buffer = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, "PNG")
-    return buffer.getvalue()
 
 
 @functools.cache
@@ -141,7 +134,7 @@ def local_results(checkpoint: Path, images: list[bytes]):
 
 
 def test_results_equal_the_local_adapters(pool):
-    images = [png(w, h, seed) for seed, (w, h) in enumerate(SIZES)]
+    images = [noise_png(w, h, seed) for seed, (w, h) in enumerate(SIZES)]
     images.append(b"\x89PNG\r\n\x1a\n broken")
     remote = run(pool.encoder.encode(images))
     local = local_results(pool.checkpoint, images)
@@ -159,7 +152,7 @@ def test_results_equal_the_local_adapters(pool):
 def test_serve_batch_gives_the_same_results(pool):
     """The @serve.batch path of the same replicas: concurrent requests merged by Ray Serve."""
     encoder = RayServeEncoder(APP, batching="serve", coalesce_ms=0)  # merging left to Serve
-    images = [png(40 + i, 30 + i, 50 + i) for i in range(12)]
+    images = [noise_png(40 + i, 30 + i, 50 + i) for i in range(12)]
 
     async def go():
         before = {i["replica"]: i["calls"] for i in await encoder.info()}
@@ -180,7 +173,9 @@ def test_concurrent_requests_share_a_call(pool):
     """The gateway's coalescing (the default): one Serve call for requests arriving together,
     each request its own slice of the answer, in order."""
     encoder = RayServeEncoder(APP, coalesce_ms=20)
-    requests = [[png(36 + i, 30, 600 + 2 * i), png(30, 36 + i, 601 + 2 * i)] for i in range(6)]
+    requests = [
+        [noise_png(36 + i, 30, 600 + 2 * i), noise_png(30, 36 + i, 601 + 2 * i)] for i in range(6)
+    ]
 
     async def go():
         try:
@@ -199,7 +194,7 @@ def test_concurrent_requests_share_a_call(pool):
 
 def test_requests_spread_over_both_replicas(pool):
     before = dict(pool.encoder.replicas)
-    images = [png(48, 48, 300 + i) for i in range(24)]
+    images = [noise_png(48, 48, 300 + i) for i in range(24)]
 
     async def go():
         await asyncio.gather(*(pool.encoder.encode([image]) for image in images))
@@ -214,7 +209,7 @@ def test_requests_spread_over_both_replicas(pool):
 def test_a_full_replica_queue_is_overloaded(pool):
     """300 distinct images exceed the replica adapter's queue (256): its Overloaded crosses
     the hop as data and is raised again on this side (503 + Retry-After at the gateway)."""
-    images = [png(28, 28, 5000 + i) for i in range(300)]
+    images = [noise_png(28, 28, 5000 + i) for i in range(300)]
     with pytest.raises(Overloaded) as refused:
         run(pool.encoder.encode(images))
     assert refused.value.retry_after_s >= 1
@@ -238,12 +233,14 @@ def test_no_running_replica_is_503_with_retry_after(pool):
         assert not encoder.healthy
         started = time.monotonic()
         with pytest.raises(Overloaded) as refused:
-            run(encoder.encode([png(30, 30, 1)]))
+            run(encoder.encode([noise_png(30, 30, 1)]))
         assert refused.value.retry_after_s == 7
         assert time.monotonic() - started < 1
         with serve_gateway(encoder) as url:
             response = httpx.post(
-                url + "/v1/encode", json=chat(image_part(data_url(png(30, 30, 2)))), timeout=30
+                url + "/v1/encode",
+                json=chat(image_part(data_url(noise_png(30, 30, 2)))),
+                timeout=30,
             )
         assert response.status_code == 503
         assert response.headers["retry-after"] == "7"
@@ -310,7 +307,7 @@ def test_killing_a_replica_mid_request(pool):
 
 def test_gateway_end_to_end_through_uvicorn(pool):
     """What ``--encoder ray:APP`` gives (the registry), under uvicorn; and a policy rule."""
-    images = [png(60, 45, 1), png(30, 100, 2)]
+    images = [noise_png(60, 45, 1), noise_png(30, 100, 2)]
     before = sum(i["images"] for i in run(pool.encoder.info()))
     encoder = create_encoder(f"ray:{APP}")
     assert isinstance(encoder, RayServeEncoder)
@@ -348,7 +345,7 @@ models:
     with serve(create_app(policy=policy, mode="encoder")) as url:
         ok = httpx.post(
             url + "/v1/encode",
-            json=chat(image_part(data_url(png(50, 50, 5))), model="acme/pooled-vit-1"),
+            json=chat(image_part(data_url(noise_png(50, 50, 5))), model="acme/pooled-vit-1"),
             timeout=60,
         )
     assert ok.status_code == 200, ok.text
@@ -398,7 +395,7 @@ def test_the_pool_recovers(pool):
     replicas = {i["replica"] for i in run(pool.encoder.info())}
     before = dict(pool.encoder.replicas)
     for burst in range(20):
-        images = [png(48, 48, 7000 + 24 * burst + i) for i in range(24)]
+        images = [noise_png(48, 48, 7000 + 24 * burst + i) for i in range(24)]
         run(gather_encode(pool.encoder, images))
         served = {r for r, n in pool.encoder.replicas.items() if n > before.get(r, 0)}
         if served == replicas:
