@@ -4,6 +4,7 @@ real upstream (Starlette, SSE with delays) in this process, recording what it re
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -141,6 +142,60 @@ def test_other_paths_are_proxied_as_they_are(gateway, toy):
     assert put.json() == {"method": "PUT", "path": "/echo/a/b", "query": "x=1&y=%20z", "bytes": 5}
     assert httpx.delete(gateway.url + "/echo/gone").json()["method"] == "DELETE"
     assert [r.path for r in toy.received] == ["/v1/models", "/echo/a/b", "/echo/gone"]
+
+
+def raw_http(gateway: GatewayProcess, request: bytes) -> bytes:
+    """One request as bytes on a fresh socket (no client library adding its own headers)."""
+    url = httpx.URL(gateway.url)
+    with socket.create_connection((url.host, url.port), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_upstream_sees_only_the_clients_headers_and_ours(gateway, toy):
+    answer = raw_http(
+        gateway,
+        b"POST /echo/plain HTTP/1.1\r\nHost: gw.test\r\nContent-Length: 3\r\n"
+        b"Connection: close\r\n\r\nabc",
+    )
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    (received,) = toy.received
+    assert received.body == b"abc"
+    # No Accept, Accept-Encoding, User-Agent or Content-Type of the proxy's own.
+    assert sorted(name for name, _ in received.raw_headers) == [
+        "content-length",
+        "host",
+        "x-forwarded-for",
+        "x-forwarded-host",
+        "x-forwarded-proto",
+        "x-request-id",
+    ]
+    assert received.headers["x-forwarded-host"] == "gw.test"
+
+
+def test_raw_path_and_query_pass_unchanged(gateway, toy):
+    answer = raw_http(
+        gateway,
+        b"GET /echo/a%2Fb/./c?x=%20&y=a+b HTTP/1.1\r\nHost: gw.test\r\nConnection: close\r\n\r\n",
+    )
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    (received,) = toy.received
+    assert received.raw_path == b"/echo/a%2Fb/./c"
+    assert received.query == "x=%20&y=a+b"
+
+
+def test_chunked_request_body_is_forwarded_whole(gateway, toy):
+    parts = [bytes([65 + i]) * 100_000 for i in range(3)]
+    response = httpx.put(gateway.url + "/echo/chunked", content=iter(parts))
+    assert response.status_code == 201
+    assert response.json()["bytes"] == 300_000
+    (received,) = toy.received
+    assert received.body == b"".join(parts)
+    assert received.headers["transfer-encoding"] == "chunked"
+    assert "content-length" not in received.headers
 
 
 def test_one_users_cookies_never_reach_another_user(gateway, toy):

@@ -29,6 +29,7 @@ class Received:
     headers: dict[str, str]
     raw_headers: list[tuple[str, str]]
     body: bytes
+    raw_path: bytes = b""
 
     def json(self) -> Any:
         return orjson.loads(self.body)
@@ -75,6 +76,7 @@ class ToyUpstream:
             dict(request.headers),
             [(k.decode(), v.decode()) for k, v in request.scope["headers"]],
             body,
+            request.scope.get("raw_path", b""),
         )
         with self.lock:
             self.received.append(received)

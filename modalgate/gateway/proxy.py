@@ -12,20 +12,21 @@ model server stops generating for nobody.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
-import httpcore
 import httpx
 import orjson
 from starlette.types import Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, error_body
 from modalgate.gateway.responses import send_error
-from modalgate.gateway.upstream_pool import UpstreamPool
+from modalgate.gateway.upstream_pool import UpstreamPool, UpstreamResponse
 
 logger = logging.getLogger("modalgate.proxy")
 
@@ -45,6 +46,7 @@ HOP_BY_HOP = frozenset(
 )
 # Request headers the proxy sets itself: Host is the upstream's.
 _REPLACED_REQUEST = frozenset({b"host"})
+_BODY_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
 
 # (seconds to the response's start, status or None, error code or None, route name)
 UpstreamObserver = Callable[[float, "int | None", "str | None", str], None]
@@ -136,10 +138,8 @@ class UpstreamProxy:
         """The upstream request's headers, and whether a body follows."""
         headers = forwarded_headers(scope)
         headers.append((b"host", self._host))
-        names = {name for name, _ in scope["headers"]}
-        has_body = b"content-length" in names or b"transfer-encoding" in names
-        if has_body and b"content-length" not in names:
-            headers.append((b"transfer-encoding", b"chunked"))  # ours, on our hop
+        # The framing on our hop is the pool's: the client's length, or chunked.
+        has_body = any(n in _BODY_FRAMING for n, _ in scope["headers"])
         return headers, has_body
 
 
@@ -150,9 +150,11 @@ class ClientGone(Exception):
 class _Exchange:
     """One request and its response, in the manner of Starlette's GZip responder.
 
-    A watcher listens for the client's disconnect from the moment the request body
-    has been read until the last byte is out, so an abandoned request is closed
-    upstream whether the server is still thinking (no headers yet) or streaming.
+    A watcher task listens for the client's disconnect from the moment the request
+    body has been read until the last byte is out, and cancels this exchange, so an
+    abandoned request is closed upstream whether the server is still thinking (no
+    headers yet) or streaming. Plain asyncio, not a task group: the upstream client
+    is aiohttp's, so the loop is asyncio's anyway, and this runs once per request.
     """
 
     def __init__(
@@ -166,44 +168,52 @@ class _Exchange:
         self.started = time.perf_counter()
         self.client_gone = False
         self.finished = False  # the last byte is out: a disconnect now is the normal end
-        self.body_read = anyio.Event()
+        self._task: asyncio.Task[Any] | None = None
+        self._watcher: asyncio.Task[None] | None = None
 
     async def run(self, fail_over: bool) -> bool:
-        reached = True
-        async with anyio.create_task_group() as group:
-            group.start_soon(self._watch, group.cancel_scope)
-            try:
-                reached = await self._exchange(fail_over)
-            except ClientGone:
-                self.client_gone = True
-            group.cancel_scope.cancel()
-        if self.client_gone:
-            logger.info("client disconnected; upstream request closed")
-        return reached
+        self._task = asyncio.current_task()
+        try:
+            return await self._exchange(fail_over)
+        except ClientGone:
+            self.client_gone = True
+        except asyncio.CancelledError:
+            if not self.client_gone or _take_back_cancel(self._task):
+                raise  # not ours, or someone else's too
+        finally:
+            if self._watcher is not None:
+                self._watcher.cancel()
+        logger.info("client disconnected; upstream request closed")
+        return True
 
-    async def _watch(self, scope: anyio.CancelScope) -> None:
-        await self.body_read.wait()
+    def _watch_for_disconnect(self) -> None:
+        if self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
         while (await self.receive())["type"] != "http.disconnect":
             pass
-        self.client_gone = not self.finished
-        scope.cancel()
+        if not self.finished and self._task is not None:
+            self.client_gone = True
+            self._task.cancel()
 
     async def _body(self) -> AsyncIterator[bytes]:
         while True:
             message = await self.receive()
             if message["type"] == "http.disconnect":
+                self.client_gone = True  # raised in the pool's writer task, seen by us later
                 raise ClientGone
             chunk = message.get("body", b"")
             if chunk:
                 yield chunk
             if not message.get("more_body", False):
-                self.body_read.set()
+                self._watch_for_disconnect()
                 return
 
     async def _exchange(self, fail_over: bool) -> bool:
         headers, has_body = self.proxy.headers_for(self.scope)
         if not has_body:
-            self.body_read.set()
+            self._watch_for_disconnect()
         try:
             response = await self.proxy.transport.request(
                 self.scope["method"].encode(),
@@ -213,6 +223,8 @@ class _Exchange:
                 self.proxy.timeouts,
             )
         except httpx.HTTPError as exc:
+            if self.client_gone:
+                raise ClientGone from exc
             violation = _violation(exc, self.proxy.settings)
             self._observe(None, violation.code.value)
             if fail_over and isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
@@ -229,7 +241,7 @@ class _Exchange:
                 self.proxy.on_response_end(time.perf_counter() - self.started, self.route)
         return True
 
-    async def _relay(self, response: httpcore.Response) -> None:
+    async def _relay(self, response: UpstreamResponse) -> None:
         headers = _response_headers(response.headers)
         await self.send(
             {"type": "http.response.start", "status": response.status, "headers": headers}
@@ -238,7 +250,7 @@ class _Exchange:
         remaining = length if length is not None else -1
         tail = b"\n\n"
         try:
-            async for chunk in response.stream:  # type: ignore[union-attr]
+            async for chunk in response.iter_chunks():
                 if not chunk:
                     continue
                 tail = chunk[-2:]
@@ -267,6 +279,12 @@ class _Exchange:
     def _observe(self, status: int | None, code: str | None) -> None:
         if self.proxy.on_upstream is not None:
             self.proxy.on_upstream(time.perf_counter() - self.started, status, code, self.route)
+
+
+def _take_back_cancel(task: asyncio.Task[Any] | None) -> bool:
+    """Withdraw the watcher's cancel request (3.11+); True if another one is pending."""
+    uncancel = getattr(task, "uncancel", None)
+    return uncancel is not None and uncancel() > 0
 
 
 def forwarded_headers(scope: Scope) -> list[tuple[bytes, bytes]]:

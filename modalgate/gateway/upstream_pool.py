@@ -1,54 +1,107 @@
-"""The proxy's connection pool to one upstream: an httpx transport with a plain LIFO stack.
+"""The proxy's connection pool to one upstream: aiohttp's client behind httpx's transport protocol.
 
-httpcore's general pool rescans every connection for every queued request, and
-hands one idle connection to several waiters who then retry (encode/httpcore#822,
-#1035); at a few dozen concurrent requests a gateway spent most of its CPU there
-(benchmarks/p6_proxy_overhead.py). A proxy talks to one origin, so its pool can
-be simple: take the most recently used idle connection, check it once, else open
-a new one within ``max_connections``; put it back when its response is closed.
-Each connection is still httpcore's own HTTP/1.1 connection.
+Why aiohttp and not httpcore: the gateway speaks HTTP twice per request, so the
+client's cost per request is most of the proxy's. A minimal ASGI proxy under
+uvicorn spent 1.09 ms of CPU per request on httpcore's HTTP/1.1 connections (h11,
+a pure-Python parser; headers and body in separate writes) and 0.52 ms on
+aiohttp's (llhttp, a C parser; headers and first body chunk in one write), with
+the same upstream and load (benchmarks/p6_proxy_overhead.py measures the whole
+gateway). The OpenAI SDK makes the same pairing for high-concurrency clients
+(httpx's interface on an aiohttp transport). The pool keeps httpx's transport
+protocol and exceptions, so health probes and model lists use it like any httpx
+transport, and the proxy maps one family of errors.
+
+aiohttp needs an asyncio event loop: uvicorn (the default), hypercorn's asyncio and
+uvloop workers and granian all run one; under trio the pool refuses to start.
+
+What a proxy must not do, and aiohttp would by default: keep cookies from one
+user's response for the next user's request, follow redirects, decompress
+bodies, read proxy settings from the environment, add Accept, Accept-Encoding,
+User-Agent or Content-Type headers the client never sent. All switched off.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Iterator
 
+import aiohttp
 import anyio
-import httpcore
 import httpx
+import yarl
 
 # Under the usual 5 s keep-alive of uvicorn (vLLM, SGLang): we drop first.
 KEEPALIVE_EXPIRY_S = 4.0
+_TARGET_CACHE_SIZE = 1024
 
-_ERRORS: tuple[tuple[type[Exception], type[httpx.HTTPError]], ...] = (
-    (httpcore.ConnectTimeout, httpx.ConnectTimeout),
-    (httpcore.ReadTimeout, httpx.ReadTimeout),
-    (httpcore.WriteTimeout, httpx.WriteTimeout),
-    (httpcore.PoolTimeout, httpx.PoolTimeout),
-    (httpcore.TimeoutException, httpx.TimeoutException),
-    (httpcore.ConnectError, httpx.ConnectError),
-    (httpcore.ReadError, httpx.ReadError),
-    (httpcore.WriteError, httpx.WriteError),
-    (httpcore.NetworkError, httpx.NetworkError),
-    (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
-    (httpcore.LocalProtocolError, httpx.LocalProtocolError),
-    (httpcore.ProtocolError, httpx.ProtocolError),
-    (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol),
+_NOT_SENT = (
+    aiohttp.hdrs.ACCEPT,
+    aiohttp.hdrs.ACCEPT_ENCODING,
+    aiohttp.hdrs.USER_AGENT,
+    aiohttp.hdrs.CONTENT_TYPE,
+)
+
+# aiohttp's exceptions as httpx's, most specific first.
+_ERRORS: tuple[tuple[type[BaseException], type[httpx.TransportError]], ...] = (
+    (aiohttp.ConnectionTimeoutError, httpx.ConnectTimeout),
+    (aiohttp.SocketTimeoutError, httpx.ReadTimeout),
+    (aiohttp.ServerTimeoutError, httpx.TimeoutException),
+    (aiohttp.ClientConnectorError, httpx.ConnectError),
+    (aiohttp.ServerDisconnectedError, httpx.RemoteProtocolError),
+    (aiohttp.ClientPayloadError, httpx.RemoteProtocolError),
+    (aiohttp.ClientResponseError, httpx.RemoteProtocolError),  # not HTTP, or malformed
+    (aiohttp.ClientConnectionResetError, httpx.ReadError),
+    (aiohttp.ClientError, httpx.NetworkError),
+    (asyncio.TimeoutError, httpx.TimeoutException),
 )
 
 
 @contextlib.contextmanager
 def _httpx_errors() -> Iterator[None]:
-    """httpcore's exceptions as httpx's, most specific first, as httpx's own transport does."""
     try:
         yield
-    except Exception as exc:
-        for source, target in _ERRORS:
-            if isinstance(exc, source):
-                raise target(str(exc)) from exc
-        raise
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        target = next(t for source, t in _ERRORS if isinstance(exc, source))
+        raise target(type(exc).__name__) from exc
+
+
+@functools.lru_cache(maxsize=32)
+def _client_timeout(connect: float | None, read: float | None) -> aiohttp.ClientTimeout:
+    # httpx's read timeout is between two reads, like aiohttp's sock_read. aiohttp has no
+    # write timeout: a body the upstream stops reading is bounded by the read timeout.
+    return aiohttp.ClientTimeout(total=None, connect=None, sock_connect=connect, sock_read=read)
+
+
+class UpstreamResponse:
+    """Status, raw headers and body of one upstream response; ``aclose`` gives the
+    connection back (kept only when the body was read to its end)."""
+
+    __slots__ = ("_closed", "_pool", "_response", "headers", "status")
+
+    def __init__(self, pool: UpstreamPool, response: aiohttp.ClientResponse) -> None:
+        self.status = response.status
+        self.headers: list[tuple[bytes, bytes]] = list(response.raw_headers)
+        self._response = response
+        self._pool = pool
+        self._closed = False
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives, de-chunked, not decompressed."""
+        with _httpx_errors():
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._response.release()  # reused if complete, closed otherwise
+        finally:
+            self._pool.release_slot()
 
 
 class UpstreamPool(httpx.AsyncBaseTransport):
@@ -58,47 +111,71 @@ class UpstreamPool(httpx.AsyncBaseTransport):
         max_connections: int,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        self.origin = httpcore.Origin(
-            base_url.raw_scheme, base_url.raw_host, base_url.port or _default_port(base_url)
-        )
+        self._scheme = base_url.scheme
+        self._host = base_url.host
+        self._port = base_url.port
         self.ssl_context = ssl_context or (
             httpx.create_ssl_context() if base_url.scheme == "https" else None
         )
-        self._idle: list[httpcore.AsyncHTTPConnection] = []
+        # Our own bound (aiohttp's connector is unbounded): waiting here is a pool
+        # timeout, told apart from a connect timeout.
         self._slots = anyio.Semaphore(max_connections, fast_acquire=True)
-        self._all: set[httpcore.AsyncHTTPConnection] = set()
+        self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[bytes, yarl.URL] = {}
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        """httpx's transport protocol, for any httpx caller (health probes, model lists)."""
-        url = request.url
-        target = url.raw_path  # path and query
-        response = await self.request(
-            request.method.encode(),
-            target,
-            request.headers.raw,
-            request.stream,  # type: ignore[arg-type]
-            request.extensions.get("timeout", {}),
-        )
-        return httpx.Response(
-            response.status,
-            headers=response.headers,
-            stream=response.stream,  # type: ignore[arg-type]
-            extensions=response.extensions,
-            request=request,
-        )
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                raise RuntimeError("the upstream client (aiohttp) needs asyncio") from None
+            connector = aiohttp.TCPConnector(
+                limit=0,
+                keepalive_timeout=KEEPALIVE_EXPIRY_S,
+                ssl=self.ssl_context if self.ssl_context is not None else True,
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                auto_decompress=False,
+                skip_auto_headers=_NOT_SENT,
+                trust_env=False,
+                timeout=_client_timeout(None, None),
+            )
+        return self._session
+
+    def _url(self, target: bytes) -> yarl.URL:
+        """The URL of a raw request target, kept as the client sent it (no re-quoting)."""
+        url = self._urls.get(target)
+        if url is None:
+            path, _, query = target.decode("latin-1").partition("?")
+            url = yarl.URL.build(
+                scheme=self._scheme,
+                host=self._host,
+                port=self._port,
+                path=path,
+                query_string=query,
+                encoded=True,
+            )
+            if len(self._urls) >= _TARGET_CACHE_SIZE:
+                self._urls.clear()
+            self._urls[target] = url
+        return url
 
     async def request(
         self,
         method: bytes,
         target: bytes,
         headers: list[tuple[bytes, bytes]],
-        content: AsyncIterable[bytes] | None,
+        content: bytes | AsyncIterable[bytes] | None,
         timeouts: dict[str, float | None],
-    ) -> httpcore.Response:
+    ) -> UpstreamResponse:
         """The proxy's hot path, without building httpx's request and response objects.
 
-        ``headers`` must carry Host and the body's framing. The response's ``stream``
-        gives the connection back to the pool when it is closed.
+        ``headers`` carry Host; the body's framing is aiohttp's: the client's
+        Content-Length if there is one, chunked for a stream of unknown length.
+        Header values travel as UTF-8 (aiohttp writes str headers): a value that
+        is not valid UTF-8 has its invalid bytes replaced.
         """
         try:
             self._slots.acquire_nowait()  # the common case: no cancel scope to set up
@@ -109,95 +186,57 @@ class UpstreamPool(httpx.AsyncBaseTransport):
             except TimeoutError:
                 raise httpx.PoolTimeout("no connection to the upstream became free") from None
         try:
-            connection = await self._connection()
-            core_request = httpcore.Request(
-                method,
-                httpcore.URL(
-                    scheme=self.origin.scheme,
-                    host=self.origin.host,
-                    port=self.origin.port,
-                    target=target,
-                ),
-                headers=headers,
-                content=content,
-                extensions={"timeout": timeouts},
-            )
-            try:
-                with _httpx_errors():
-                    response = await connection.handle_async_request(core_request)
-            except BaseException:
-                await self._discard(connection)
-                raise
+            with _httpx_errors():
+                response = await self._client().request(
+                    method.decode("ascii"),
+                    self._url(target),
+                    headers=[
+                        (name.decode("latin-1"), value.decode("utf-8", "replace"))
+                        for name, value in headers
+                    ],
+                    data=content,
+                    allow_redirects=False,
+                    timeout=_client_timeout(timeouts.get("connect"), timeouts.get("read")),
+                )
         except BaseException:
             self._slots.release()
             raise
-        response.stream = _ReturningStream(self, connection, response.stream)  # type: ignore[arg-type]
-        return response
+        return UpstreamResponse(self, response)
 
-    async def _connection(self) -> httpcore.AsyncHTTPConnection:
-        while self._idle:
-            connection = self._idle.pop()
-            if connection.is_idle() and not connection.has_expired():
-                return connection
-            await self._discard(connection)
-        connection = httpcore.AsyncHTTPConnection(
-            self.origin, ssl_context=self.ssl_context, keepalive_expiry=KEEPALIVE_EXPIRY_S
+    def release_slot(self) -> None:
+        self._slots.release()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """httpx's transport protocol, for any httpx caller (health probes, model lists)."""
+        body = await request.aread()  # the gateway's own requests: small or empty
+        response = await self.request(
+            request.method.encode(),
+            request.url.raw_path,  # path and query
+            request.headers.raw,
+            body or None,
+            request.extensions.get("timeout", {}),
         )
-        self._all.add(connection)
-        return connection
-
-    async def _discard(self, connection: httpcore.AsyncHTTPConnection) -> None:
-        self._all.discard(connection)
-        with anyio.CancelScope(shield=True):
-            await connection.aclose()
-
-    async def release(self, connection: httpcore.AsyncHTTPConnection) -> None:
-        """After the response: keep a clean keep-alive connection, close anything else."""
-        try:
-            if connection.is_idle() and connection in self._all:
-                self._idle.append(connection)
-            else:
-                await self._discard(connection)
-        finally:
-            self._slots.release()
+        return httpx.Response(
+            response.status,
+            headers=response.headers,
+            stream=_HttpxStream(response),
+            request=request,
+        )
 
     async def aclose(self) -> None:
-        for connection in list(self._all):
-            await self._discard(connection)
-        self._idle.clear()
-
-    @property
-    def connections(self) -> int:
-        return len(self._all)
+        if self._session is not None:
+            session, self._session = self._session, None
+            with anyio.CancelScope(shield=True):
+                await session.close()
 
 
-class _ReturningStream(httpx.AsyncByteStream):
-    def __init__(
-        self,
-        pool: UpstreamPool,
-        connection: httpcore.AsyncHTTPConnection,
-        stream: AsyncIterator[bytes],
-    ) -> None:
-        self._pool = pool
-        self._connection = connection
-        self._stream = stream
-        self._closed = False
+class _HttpxStream(httpx.AsyncByteStream):
+    def __init__(self, response: UpstreamResponse) -> None:
+        self._response = response
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        with _httpx_errors():
-            async for chunk in self._stream:
-                yield chunk
+        async for chunk in self._response.iter_chunks():
+            yield chunk
 
     async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            with anyio.CancelScope(shield=True), _httpx_errors():
-                await self._stream.aclose()  # type: ignore[attr-defined]
-        finally:
-            await self._pool.release(self._connection)
-
-
-def _default_port(url: httpx.URL) -> int:
-    return 443 if url.scheme == "https" else 80
+        await self._response.aclose()
