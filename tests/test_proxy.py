@@ -3,6 +3,7 @@ real upstream (Starlette, SSE with delays) in this process, recording what it re
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import threading
@@ -317,6 +318,49 @@ def test_metrics_count_what_happened(upstream):
         # A model no rule names is counted under "unknown", not under its own name.
         openai_client.chat.completions.create(model="my-private-model-123", messages=USER)
         assert metric(gateway, "modalgate_requests_total", model="unknown") == 1
+
+
+@pytest.fixture
+def wedged_upstream() -> Iterator[str]:
+    """A server whose kernel accepts connections but which never reads a byte."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                held.append(listener.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join()
+        for sock in [*held, listener]:
+            sock.close()
+
+
+def test_upstream_that_stops_reading_the_body_gives_504(wedged_upstream):
+    # 20 MB is more than loopback's socket buffers hold, so the write must stall.
+    body = orjson.dumps(chat({"type": "text", "text": "x" * 20_000_000}))
+    with GatewayProcess("--upstream", wedged_upstream, "--upstream-write-timeout", "1") as gateway:
+        started = time.monotonic()
+        response = httpx.post(
+            gateway.url + "/v1/chat/completions",
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+        elapsed = time.monotonic() - started
+    assert response.status_code == 504
+    error = response.json()["error"]
+    assert error["code"] == "upstream_timeout"
+    assert error["message"] == "the upstream did not take the request body within 1 s"
+    assert elapsed < 30  # the write timeout, not the 300 s read timeout
 
 
 def test_upstream_down_gives_502_and_readyz_says_so():

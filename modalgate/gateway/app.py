@@ -70,6 +70,7 @@ class Gateway:
             UpstreamSettings(
                 connect_timeout_s=settings.upstream_connect_timeout_s,
                 read_timeout_s=settings.upstream_read_timeout_s,
+                write_timeout_s=settings.upstream_write_timeout_s,
                 max_connections=settings.upstream_max_connections,
             ),
             settings.upstream_health_path,

@@ -78,6 +78,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="S",
         help="longest silence between two chunks of a response (default 300)",
     )
+    serve.add_argument(
+        "--upstream-write-timeout",
+        dest="upstream_write_timeout_s",
+        type=float,
+        metavar="S",
+        help="longest time for the upstream to take one chunk of a request body (default 60)",
+    )
     serve.add_argument("--upstream-max-connections", type=int, metavar="N")
     serve.add_argument("--upstream-health-path", metavar="PATH", help="default /health")
     serve.add_argument(
@@ -142,6 +149,7 @@ _SERVE_FLAGS = (
     "metrics_path",
     "upstream_connect_timeout_s",
     "upstream_read_timeout_s",
+    "upstream_write_timeout_s",
     "upstream_max_connections",
     "upstream_health_path",
     "upstream_health_interval_s",

@@ -57,7 +57,7 @@ class UpstreamSettings:
     connect_timeout_s: float = 5.0
     # Between two reads, not in total: a long generation streams for minutes.
     read_timeout_s: float = 300.0
-    write_timeout_s: float = 60.0
+    write_timeout_s: float = 60.0  # each chunk of the request body
     max_connections: int = 512
 
 
@@ -88,9 +88,9 @@ class UpstreamProxy:
             write=settings.write_timeout_s,
             pool=settings.connect_timeout_s,
         ).as_dict()
-        # No httpx.AsyncClient on purpose: a client keeps cookies from one user's response
-        # and sends them with the next user's request, follows redirects, reads proxy
-        # variables. A proxy wants none of that: requests go straight to the transport.
+        # No client object on top: a client keeps cookies from one user's response and
+        # sends them with the next user's request, follows redirects, reads proxy
+        # variables. A proxy wants none of that: requests go straight to the pool.
         self.transport = transport or UpstreamPool(url, settings.max_connections)
 
     async def get(self, path: str, timeout_s: float) -> httpx.Response:
@@ -347,6 +347,11 @@ def _violation(
         return Violation(
             ErrorCode.UPSTREAM_TIMEOUT,
             f"the upstream did not accept a connection within {settings.connect_timeout_s:g} s",
+        )
+    if isinstance(exc, httpx.WriteTimeout):
+        return Violation(
+            ErrorCode.UPSTREAM_TIMEOUT,
+            f"the upstream did not take the request body within {settings.write_timeout_s:g} s",
         )
     if isinstance(exc, httpx.TimeoutException):
         what = "sent nothing more" if started else "did not answer"

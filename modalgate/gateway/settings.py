@@ -27,6 +27,7 @@ class GatewaySettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     upstream_connect_timeout_s: float = Field(5.0, gt=0)
     upstream_read_timeout_s: float = Field(300.0, gt=0)
+    upstream_write_timeout_s: float = Field(60.0, gt=0)
     upstream_max_connections: int = Field(512, gt=0)
     upstream_health_path: str = "/health"
     upstream_health_interval_s: float = Field(5.0, gt=0)

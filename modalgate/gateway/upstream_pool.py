@@ -29,6 +29,8 @@ import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Iterator
 
 import aiohttp
+import aiohttp.abc
+import aiohttp.payload
 import anyio
 import httpx
 import yarl
@@ -70,9 +72,48 @@ def _httpx_errors() -> Iterator[None]:
 
 @functools.lru_cache(maxsize=32)
 def _client_timeout(connect: float | None, read: float | None) -> aiohttp.ClientTimeout:
-    # httpx's read timeout is between two reads, like aiohttp's sock_read. aiohttp has no
-    # write timeout: a body the upstream stops reading is bounded by the read timeout.
+    # httpx's read timeout is between two reads, like aiohttp's sock_read, which starts
+    # once the request body is out; the write timeout is _TimedBody's.
     return aiohttp.ClientTimeout(total=None, connect=None, sock_connect=connect, sock_read=read)
+
+
+class _TimedBody(aiohttp.payload.AsyncIterablePayload):
+    """A streamed request body whose every chunk the upstream must take within a time.
+
+    aiohttp has no write timeout, and its read timeout starts only once the body
+    is out, so an upstream that stops reading (a wedged server whose kernel still
+    accepts connections) would hold an upload forever. Past the time the
+    connection is aborted (a graceful close would wait for the unsent bytes), which
+    fails the pending response; ``stalled`` tells the pool why.
+    """
+
+    def __init__(self, content: AsyncIterable[bytes], timeout_s: float) -> None:
+        super().__init__(content)
+        self._timeout_s = timeout_s
+        self.stalled = False
+
+    async def write(self, writer: aiohttp.abc.AbstractStreamWriter) -> None:
+        await self.write_with_length(writer, None)
+
+    async def write_with_length(
+        self, writer: aiohttp.abc.AbstractStreamWriter, content_length: int | None
+    ) -> None:
+        # The writer clips to the declared Content-Length itself.
+        loop = asyncio.get_running_loop()
+
+        def stall() -> None:
+            self.stalled = True
+            transport = writer.transport
+            if transport is not None:
+                transport.abort()
+
+        assert self._iter is not None
+        async for chunk in self._iter:
+            timer = loop.call_later(self._timeout_s, stall)
+            try:
+                await writer.write(chunk)  # returns once the chunk is drained
+            finally:
+                timer.cancel()
 
 
 class UpstreamResponse:
@@ -185,6 +226,9 @@ class UpstreamPool(httpx.AsyncBaseTransport):
                     await self._slots.acquire()
             except TimeoutError:
                 raise httpx.PoolTimeout("no connection to the upstream became free") from None
+        body = content
+        if content is not None and not isinstance(content, bytes) and timeouts.get("write"):
+            body = _TimedBody(content, timeouts["write"])  # type: ignore[arg-type]
         try:
             with _httpx_errors():
                 response = await self._client().request(
@@ -194,12 +238,14 @@ class UpstreamPool(httpx.AsyncBaseTransport):
                         (name.decode("latin-1"), value.decode("utf-8", "replace"))
                         for name, value in headers
                     ],
-                    data=content,
+                    data=body,
                     allow_redirects=False,
                     timeout=_client_timeout(timeouts.get("connect"), timeouts.get("read")),
                 )
-        except BaseException:
+        except BaseException as exc:
             self._slots.release()
+            if isinstance(body, _TimedBody) and body.stalled:
+                raise httpx.WriteTimeout("the upstream stopped reading the request body") from exc
             raise
         return UpstreamResponse(self, response)
 

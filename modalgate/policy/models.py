@@ -121,6 +121,7 @@ class Server(_Strict):
     upstream: str | None = None
     upstream_connect_timeout_s: float | None = Field(None, gt=0)
     upstream_read_timeout_s: float | None = Field(None, gt=0)
+    upstream_write_timeout_s: float | None = Field(None, gt=0)
     upstream_max_connections: int | None = Field(None, gt=0)
     upstream_health_path: str | None = None
     upstream_health_interval_s: float | None = Field(None, gt=0)
