@@ -10,7 +10,7 @@ small ``chat.completion`` JSON, or with ``"stream": true`` an SSE stream of N
 The gateway is ``python -m modalgate.gateway.cli serve --upstream URL --port P
 --log-level warning --no-access-log`` with the built-in policy, in its own
 process: the real ``modalgate serve`` stack (RequestId -> ModalGate -> router
--> UpstreamProxy, one pooled ``httpx.AsyncClient``).
+-> UpstreamProxy, one pooled aiohttp client per upstream: gateway/upstream_pool.py).
 
 Throughput: wrk (``-t1 -c32``, same ~300-byte text-only kimi-k3 body and Lua
 script as P1) at the upstream directly and at the gateway in turn, in
@@ -28,7 +28,7 @@ and gateway pair:
 (b) service time 20 ms: a stress point, reported with no target. The direct
     arm then runs at ~1,300 req/s, so the gateway must spend under ~0.65 ms of
     one core per request to keep up; a Python gateway that is an HTTP server
-    and an HTTP client (uvicorn + httpcore/h11) spends more (see the CPU per
+    and an HTTP client (uvicorn + aiohttp) spends more (see the CPU per
     request printed), so this ratio is its CPU bound, not its added latency.
 (c) service time 0 ms: the worst case for any proxy, reported with no target.
     The upstream then does nothing but HTTP, so the gateway (which speaks
