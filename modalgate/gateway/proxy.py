@@ -170,6 +170,7 @@ class _Exchange:
         self.finished = False  # the last byte is out: a disconnect now is the normal end
         self._task: asyncio.Task[Any] | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._watcher_cancelled = False
 
     async def run(self, fail_over: bool) -> bool:
         self._task = asyncio.current_task()
@@ -178,7 +179,7 @@ class _Exchange:
         except ClientGone:
             self.client_gone = True
         except asyncio.CancelledError:
-            if not self.client_gone or _take_back_cancel(self._task):
+            if not self._watcher_cancelled or _take_back_cancel(self._task):
                 raise  # not ours, or someone else's too
         finally:
             if self._watcher is not None:
@@ -194,7 +195,7 @@ class _Exchange:
         while (await self.receive())["type"] != "http.disconnect":
             pass
         if not self.finished and self._task is not None:
-            self.client_gone = True
+            self.client_gone = self._watcher_cancelled = True
             self._task.cancel()
 
     async def _body(self) -> AsyncIterator[bytes]:

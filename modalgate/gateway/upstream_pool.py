@@ -111,7 +111,7 @@ class _TimedBody(aiohttp.payload.AsyncIterablePayload):
         async for chunk in self._iter:
             timer = loop.call_later(self._timeout_s, stall)
             try:
-                await writer.write(chunk)  # returns once the chunk is drained
+                await writer.write(chunk)  # waits while more than 64 KiB are unsent
             finally:
                 timer.cancel()
 
