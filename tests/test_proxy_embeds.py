@@ -136,3 +136,28 @@ def test_models_without_embeds_are_forwarded_untouched(setup):
     ask(gateway, "kimi-k3", [noise_png(40, 40, 5)])
     part = toy.received[0].json()["messages"][0]["content"][1]
     assert part == {"type": "image_url", "image_url": {"url": image}}
+
+
+def test_responses_api_images_for_an_embeds_rule_are_refused_with_the_way_out(setup):
+    toy, gateway, _ = setup
+    toy.received.clear()
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="k", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(
+            model="kimi-epd",
+            input=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_image", "image_url": data_url(noise_png(20, 20, 3))}
+                    ],
+                }
+            ],
+        )
+    assert caught.value.code == "invalid_request"
+    assert caught.value.param == "input"
+    assert "/v1/chat/completions" in caught.value.message
+    assert toy.received == []
+    # Text alone has nothing to encode: it passes.
+    response = client.responses.create(model="kimi-epd", input="hello")
+    assert response.output_text.startswith("toy saw ")

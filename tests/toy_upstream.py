@@ -59,6 +59,7 @@ class ToyUpstream:
             routes=[
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/responses", self._responses, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/echo/{rest:path}", self._echo, methods=["GET", "POST", "PUT", "DELETE"]),
@@ -111,6 +112,11 @@ class ToyUpstream:
             _completion(model, f"{self.name} saw {len(received.body)} bytes"),
             headers={"x-upstream-own": "kept"},
         )
+
+    async def _responses(self, request: Request) -> Response:
+        received = await self._record(request)
+        model = received.json().get("model", "")
+        return JSONResponse(_response_object(model, f"{self.name} saw {len(received.body)} bytes"))
 
     async def _tokens(self, model: str):
         behaviour = self.behaviour
@@ -171,6 +177,29 @@ class ToyUpstream:
         if "setcookie" in received.query:
             response.set_cookie("upstream_session", "secret-of-one-user")
         return response
+
+
+def _response_object(model: str, text: str) -> dict[str, Any]:
+    """A minimal Responses API object: one assistant message."""
+    return {
+        "id": "resp_toy",
+        "object": "response",
+        "created_at": 1764633600,
+        "model": model,
+        "status": "completed",
+        "output": [
+            {
+                "type": "message",
+                "id": "msg_toy",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": text, "annotations": []}],
+            }
+        ],
+        "parallel_tool_calls": False,
+        "tool_choice": "auto",
+        "tools": [],
+    }
 
 
 def _completion(model: str, text: str) -> dict[str, Any]:

@@ -34,7 +34,12 @@ from modalgate.gateway.forward import Forwarder
 from modalgate.gateway.health import Readiness
 from modalgate.gateway.logs import configure_logging, log_outcome
 from modalgate.gateway.metrics import GatewayMetrics, metrics_endpoint
-from modalgate.gateway.middleware import DEFAULT_PATHS, ModalGate, get_verdict
+from modalgate.gateway.middleware import (
+    DEFAULT_PATHS,
+    DEFAULT_RESPONSES_PATHS,
+    ModalGate,
+    get_verdict,
+)
 from modalgate.gateway.outcome import GateOutcome
 from modalgate.gateway.proxy import UpstreamSettings
 from modalgate.gateway.reload import PolicyReloader
@@ -166,7 +171,8 @@ class Gateway:
             Route(MODELS_PATH + "/{model_id:path}", self.catalog.model_endpoint, methods=["GET"]),
         ]
         if not self.proxying:
-            routes += [Route(p, _verdict, methods=["POST"]) for p in DEFAULT_PATHS]
+            gated = (*DEFAULT_PATHS, *DEFAULT_RESPONSES_PATHS)
+            routes += [Route(p, _verdict, methods=["POST"]) for p in gated]
         if self.adapters:
             routes.append(
                 Route(

@@ -37,8 +37,12 @@ class Forwarder:
             await send_error(send, [_no_route(scope, verdict)])
             return
         embeds = verdict.rule.embeds if verdict is not None and verdict.rule is not None else None
-        if verdict is None or embeds is None:
+        images = verdict is not None and any(p.modality == "image" for p in verdict.parts)
+        if verdict is None or embeds is None or not images:
             await route.forward(scope, receive, send)
+            return
+        if verdict.api == "responses":
+            await send_error(send, [_no_embeds_in_responses(verdict)])
             return
         rewritten = await self._rewrite(verdict, embeds, send)
         if rewritten is None:
@@ -82,6 +86,16 @@ def _no_route(scope: Scope, verdict: Verdict | None) -> Violation:
     return Violation(
         ErrorCode.NOT_FOUND,
         f"no upstream serves {scope['path'][:100]!r} here (no default upstream)",
+    )
+
+
+def _no_embeds_in_responses(verdict: Verdict) -> Violation:
+    shown = (verdict.model or "")[:100]
+    return Violation(
+        ErrorCode.INVALID_REQUEST,
+        f"input: images for {shown!r} are encoded here and sent on as image_embeds, which only "
+        "the Chat Completions API carries; send this request to /v1/chat/completions",
+        "input",
     )
 
 

@@ -25,8 +25,11 @@ from modalgate.gateway.remote_media import MediaStage
 from modalgate.gateway.responses import send_error
 from modalgate.policy import Policy, RuleMatcher, load_policy
 from modalgate.validators import Verdict, validate_body, with_fallback
+from modalgate.validators.request import Api
 
 DEFAULT_PATHS = ("/v1/chat/completions", "/chat/completions")
+# The Responses API (vLLM and SGLang serve it too): the same checks on its ``input``.
+DEFAULT_RESPONSES_PATHS = ("/v1/responses", "/responses")
 # Bodies above this are validated in a worker thread: base64 and header work on
 # a multi-megabyte body would otherwise stall every other request on the loop.
 THREAD_THRESHOLD_BYTES = 256 * 1024
@@ -44,10 +47,12 @@ class ModalGate:
         paths: Iterable[str] = DEFAULT_PATHS,
         validation_threads: int = 4,
         on_outcome: OutcomeObserver | None = None,
+        responses_paths: Iterable[str] = DEFAULT_RESPONSES_PATHS,
     ) -> None:
         self.app = app
         self.on_outcome = on_outcome
         self.paths = frozenset(p.rstrip("/") or "/" for p in paths)
+        self.responses_paths = frozenset(p.rstrip("/") or "/" for p in responses_paths)
         self.validation_threads = validation_threads
         self._limiter: anyio.CapacityLimiter | None = None
         self.set_policy(policy if isinstance(policy, Policy) else load_policy(policy), mode)
@@ -77,14 +82,19 @@ class ModalGate:
         if scope["type"] == "lifespan":
             await self.app(scope, receive, self._closing_on_shutdown(send))
             return
-        if (
-            scope["type"] != "http"
-            or scope["method"] != "POST"
-            or (scope["path"].rstrip("/") or "/") not in self.paths
-        ):
+        if scope["type"] != "http" or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        await _GatedRequest(self, self.matcher, self.media, self.read_cap)(scope, receive, send)
+        where = scope["path"].rstrip("/") or "/"
+        if where in self.paths:
+            api: Api = "chat"
+        elif where in self.responses_paths:
+            api = "responses"
+        else:
+            await self.app(scope, receive, send)
+            return
+        gated = _GatedRequest(self, self.matcher, self.media, self.read_cap, api)
+        await gated(scope, receive, send)
 
     def _closing_on_shutdown(self, send: Send) -> Send:
         """Close the fetcher's connections when the app reports its shutdown done."""
@@ -109,12 +119,13 @@ class _GatedRequest:
     """State of one gated request, in the manner of Starlette's GZip responder."""
 
     def __init__(
-        self, gate: ModalGate, matcher: RuleMatcher, media: MediaStage, read_cap: int
+        self, gate: ModalGate, matcher: RuleMatcher, media: MediaStage, read_cap: int, api: Api
     ) -> None:
         self.gate = gate
         self.matcher = matcher
         self.media = media
         self.read_cap = read_cap
+        self.api = api
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.started = time.perf_counter()
@@ -127,7 +138,7 @@ class _GatedRequest:
         body = await self._read_body(receive, send)
         if body is None:
             return
-        verdict = await self.gate.run_cpu(len(body), validate_body, body, self.matcher)
+        verdict = await self.gate.run_cpu(len(body), validate_body, body, self.matcher, self.api)
         received = len(body)
         if not verdict.accepted and verdict.rule is not None and verdict.rule.fallback:
             verdict = await self.gate.run_cpu(

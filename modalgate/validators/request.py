@@ -2,12 +2,15 @@
 
 Pure and synchronous: bytes and a compiled policy in, a Verdict out. The walk
 knows only what gates need (model, roles, content parts); every other field is
-the server's business and passes untouched.
+the server's business and passes untouched. Two request shapes: Chat
+Completions (``messages``) and the Responses API (``input``: a string, or items
+of which messages and tool outputs carry content parts; other items, such as
+reasoning or function calls, carry no media and pass).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic_core import from_json
 
@@ -37,7 +40,12 @@ _NAMES = {
 }
 
 
-def validate_body(body: bytes, matcher: RuleMatcher) -> Verdict:
+Api = Literal["chat", "responses"]
+# Responses API input items that carry content parts besides messages: tool outputs.
+_OUTPUT_ITEMS = frozenset({"function_call_output", "custom_tool_call_output"})
+
+
+def validate_body(body: bytes, matcher: RuleMatcher, api: Api = "chat") -> Verdict:
     """The whole check for one request body."""
     try:
         # jiter (pydantic-core) parses large base64-heavy bodies several times faster
@@ -50,16 +58,23 @@ def validate_body(body: bytes, matcher: RuleMatcher) -> Verdict:
             [Violation(ErrorCode.INVALID_JSON, "the request body must be a JSON object")],
             mode=matcher.mode,
         )
-    return validate_request(request, matcher, body_size=len(body))
+    return validate_request(request, matcher, body_size=len(body), api=api)
 
 
 def validate_request(
-    request: dict[str, Any], matcher: RuleMatcher, body_size: int | None = None
+    request: dict[str, Any],
+    matcher: RuleMatcher,
+    body_size: int | None = None,
+    api: Api = "chat",
 ) -> Verdict:
     """Validate an already-parsed request; ``body_size`` enables the per-model body cap."""
     model = request.get("model")
     verdict = Verdict(
-        [], model=model if isinstance(model, str) else None, mode=matcher.mode, request=request
+        [],
+        model=model if isinstance(model, str) else None,
+        mode=matcher.mode,
+        request=request,
+        api=api,
     )
     if model is not None and not isinstance(model, str):
         verdict.violations.append(_invalid("'model' must be a string", "model"))
@@ -75,13 +90,15 @@ def validate_request(
     if body_size is not None and body_size > rule.limits.max_body_bytes:
         verdict.violations.append(payload_too_large(rule.limits.max_body_bytes))
         return verdict
-    messages = request.get("messages")
-    if not isinstance(messages, list) or not messages:
-        problem = "is required" if messages is None else "must be a non-empty array"
-        verdict.violations.append(_invalid(f"'messages' {problem}", "messages"))
-        return verdict
-
-    _walk_messages(messages, rule, verdict)
+    if api == "responses":
+        _walk_input(request.get("input"), rule, verdict)
+    else:
+        messages = request.get("messages")
+        if not isinstance(messages, list) or not messages:
+            problem = "is required" if messages is None else "must be a non-empty array"
+            verdict.violations.append(_invalid(f"'messages' {problem}", "messages"))
+            return verdict
+        _walk_messages(messages, rule, verdict)
     if verdict.violations or not verdict.parts:
         return verdict  # refused, or text only: nothing more to check
     _check_counts(rule, verdict)
@@ -121,6 +138,29 @@ def _walk_messages(messages: list[Any], rule: ResolvedRule, verdict: Verdict) ->
         _walk_message(message, path("messages", i), rule, verdict)
 
 
+def _walk_input(items: Any, rule: ResolvedRule, verdict: Verdict) -> None:
+    """The Responses API's ``input``: text, or items in order."""
+    if isinstance(items, str):
+        return
+    if not isinstance(items, list):
+        problem = "is required" if items is None else "must be a string or an array of items"
+        verdict.violations.append(_invalid(f"'input' {problem}", "input"))
+        return
+    for i, item in enumerate(items):
+        if len(verdict.violations) >= MAX_LISTED_VIOLATIONS:
+            return
+        where = path("input", i)
+        if not isinstance(item, dict):
+            verdict.violations.append(_invalid("each input item must be an object", where))
+            continue
+        kind = item.get("type", "message")
+        if kind == "message":
+            _walk_message(item, where, rule, verdict)
+        elif kind in _OUTPUT_ITEMS and isinstance(item.get("output"), list):
+            for j, part in enumerate(item["output"]):
+                _read_part(part, path(where, "output", j), "tool", rule, verdict)
+
+
 def _walk_message(message: Any, where: str, rule: ResolvedRule, verdict: Verdict) -> None:
     violations = verdict.violations
     if not isinstance(message, dict):
@@ -131,6 +171,8 @@ def _walk_message(message: Any, where: str, rule: ResolvedRule, verdict: Verdict
         violations.append(_invalid("'role' must be a string", path(where, "role")))
         return
     content = message.get("content")
+    if isinstance(content, str):
+        return
     if content is None:
         if role in ("user", "system", "developer"):
             violations.append(_invalid("'content' is required", path(where, "content")))

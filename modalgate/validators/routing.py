@@ -33,7 +33,9 @@ def with_fallback(verdict: Verdict, matcher: RuleMatcher, body_size: int | None 
     target = fallback_target(verdict)
     if target is None or verdict.request is None:
         return verdict
-    rerouted = validate_request({**verdict.request, "model": target}, matcher, body_size)
+    rerouted = validate_request(
+        {**verdict.request, "model": target}, matcher, body_size, api=verdict.api
+    )
     assert verdict.rule is not None
     rerouted.routed_from = verdict.rule.name
     return rerouted

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import pybase64
 
@@ -83,6 +83,7 @@ class Verdict:
     # Set when a fallback sent this request to another model: the rule of the model the
     # client asked for (a policy name, safe for metric labels; ``model`` is the new one).
     routed_from: str | None = None
+    api: Literal["chat", "responses"] = "chat"  # which request shape was read
 
     @property
     def accepted(self) -> bool:
