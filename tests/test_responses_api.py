@@ -9,6 +9,8 @@ extensions), other items (reasoning, function calls) pass. Unit cases on
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +27,7 @@ from toy_upstream import ToyUpstream
 
 IMAGE = data_url(image_bytes())
 VIDEO = {"type": "video_url", "video_url": {"url": data_url(MP4_BYTES, "video/mp4")}}
+JSON = {"content-type": "application/json"}
 PDF = {
     "type": "input_file",
     "filename": "a.pdf",
@@ -211,3 +214,26 @@ def test_other_responses_paths_are_proxied_as_they_are(gateway):
     response = httpx.get(gw.url + "/v1/responses/resp_1")
     # The toy has no such route: Starlette's own plain 404 came back, not a gateway error.
     assert (response.status_code, response.text) == (404, "Not Found")
+
+
+def test_validate_endpoint_and_command_take_responses_bodies(gateway, tmp_path):
+    _, gw = gateway
+    body = orjson.dumps({"model": "kimi-k3", "input": [user(PDF)]})
+    answer = httpx.post(gw.url + "/v1/validate/responses", content=body, headers=JSON)
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "input.[0].content.[0].type"
+    clean = orjson.dumps({"model": "kimi-k3", "input": [user(image())]})
+    answer = httpx.post(gw.url + "/v1/validate/responses", content=clean, headers=JSON)
+    assert answer.status_code == 200 and answer.json()["accepted"] is True
+
+    request = tmp_path / "request.json"
+    request.write_bytes(body)
+    command = [sys.executable, "-m", "modalgate.gateway.cli", "validate", str(request)]
+    done = subprocess.run(
+        [*command, "--api", "responses", "--mode", "encoder"], capture_output=True
+    )
+    assert done.returncode == 1
+    assert orjson.loads(done.stdout)["error"]["code"] == "unsupported_modality"
+    done = subprocess.run(command, capture_output=True)  # read as chat: no messages
+    assert done.returncode == 1
+    assert orjson.loads(done.stdout)["error"]["param"] == "messages"

@@ -50,6 +50,7 @@ from modalgate.gateway.settings import GatewaySettings, load_settings, policy_lo
 from modalgate.policy import Policy, RuleMatcher, load_policy
 
 VALIDATE_PATH = "/v1/validate"
+VALIDATE_RESPONSES_PATH = "/v1/validate/responses"  # a Responses API body's verdict
 MODELS_PATH = "/v1/models"
 RETIRED_GRACE_S = 60.0  # a replaced fetcher or upstream pool outlives its last requests
 
@@ -96,6 +97,7 @@ class Gateway:
             mode=settings.mode,
             paths=[VALIDATE_PATH, *DEFAULT_PATHS, *([ENCODE_PATH] if self.adapters else [])],
             on_outcome=self._observe,
+            responses_paths=[VALIDATE_RESPONSES_PATH, *DEFAULT_RESPONSES_PATHS],
         )
         self.reloader = (
             PolicyReloader(
@@ -167,6 +169,7 @@ class Gateway:
             Route("/readyz", self.readiness.endpoint, methods=["GET", "HEAD"]),
             Route(self.settings.metrics_path, metrics_endpoint(self.metrics), methods=["GET"]),
             Route(VALIDATE_PATH, _verdict, methods=["POST"]),
+            Route(VALIDATE_RESPONSES_PATH, _verdict, methods=["POST"]),
             Route(MODELS_PATH, self.catalog.list_endpoint, methods=["GET"]),
             Route(MODELS_PATH + "/{model_id:path}", self.catalog.model_endpoint, methods=["GET"]),
         ]

@@ -105,6 +105,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also download remote media (under the policy's media_urls rules) and check it",
     )
+    validate.add_argument(
+        "--api",
+        choices=("chat", "responses"),
+        default="chat",
+        help="the request's shape: Chat Completions (messages, the default) or Responses (input)",
+    )
     _policy_args(validate)
     validate.set_defaults(run=_validate)
 
@@ -219,7 +225,7 @@ def _validate(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"{args.request}: cannot read ({exc.strerror})", file=sys.stderr)
         return EXIT_USAGE
-    verdict = validate_body(body, RuleMatcher(policy, args.mode))
+    verdict = validate_body(body, RuleMatcher(policy, args.mode), api=args.api)
     if args.fetch and verdict.accepted and verdict.remote_parts:
         verdict = _fetched(verdict, policy)
     if verdict.accepted:
