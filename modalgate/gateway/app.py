@@ -92,7 +92,7 @@ class Gateway:
         self.router = Router(routes=self._routes(), lifespan=self._lifespan)
         self.router.default = Forwarder(self.upstreams, self.adapter_for)
         self.gate = ModalGate(
-            self.router,
+            OwnPathsFirst(self.router),
             policy=policy,
             mode=settings.mode,
             paths=[VALIDATE_PATH, *DEFAULT_PATHS, *([ENCODE_PATH] if self.adapters else [])],
@@ -207,6 +207,26 @@ class Gateway:
             await self.upstreams.aclose()
             for adapter in self.adapters:
                 await adapter.close()
+
+
+class OwnPathsFirst:
+    """The router for the gateway's own few paths; any other request goes straight to the
+    router's default (the forwarder), without trying every route's pattern first (~23 us
+    a request, measured, on the path every proxied request takes)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        paths = [route.path for route in router.routes if isinstance(route, Route)]
+        self.own = frozenset(p.rstrip("/") for p in paths if "{" not in p)
+        self.own_prefixes = tuple(p.split("{", 1)[0] for p in paths if "{" in p)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            if path.rstrip("/") not in self.own and not path.startswith(self.own_prefixes):
+                await self.router.default(scope, receive, send)
+                return
+        await self.router(scope, receive, send)
 
 
 async def _close_later(resource: object) -> None:
