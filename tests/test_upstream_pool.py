@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import openai
 import orjson
 import pytest
 import trustme
+import uvicorn
 
 from conftest import chat, serve
 from gateway_proc import GatewayProcess, metric
@@ -178,3 +180,28 @@ def test_an_https_upstream_with_an_unknown_ca_is_refused(tls_upstream):
         response = httpx.post(gateway.url + "/v1/chat/completions", content=CHAT, headers=JSON)
         assert response.status_code == 502
         assert response.json()["error"]["message"] == "the upstream refused the connection"
+
+
+def test_an_ipv6_upstream_is_reached():
+    toy = ToyUpstream()
+    port = free_port_v6()
+    server = uvicorn.Server(uvicorn.Config(toy.app(), host="::1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive(), "uvicorn did not start on ::1"
+            time.sleep(0.01)
+        with GatewayProcess("--upstream", f"http://[::1]:{port}") as gateway:
+            response = httpx.post(gateway.url + "/v1/chat/completions", content=CHAT, headers=JSON)
+            assert response.status_code == 200
+            assert toy.received[0].headers["host"] == f"[::1]:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def free_port_v6() -> int:
+    with socket.socket(socket.AF_INET6) as sock:
+        sock.bind(("::1", 0))
+        return sock.getsockname()[1]

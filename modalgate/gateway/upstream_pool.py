@@ -153,8 +153,8 @@ class UpstreamPool(httpx.AsyncBaseTransport):
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._scheme = base_url.scheme
-        self._host = base_url.host
-        self._port = base_url.port
+        # host[:port] as it goes on the wire: IPv6 in brackets, IDNA names encoded.
+        self._authority = yarl.URL(str(base_url)).raw_authority
         self.ssl_context = ssl_context or (
             httpx.create_ssl_context() if base_url.scheme == "https" else None
         )
@@ -192,8 +192,7 @@ class UpstreamPool(httpx.AsyncBaseTransport):
             path, _, query = target.decode("latin-1").partition("?")
             url = yarl.URL.build(
                 scheme=self._scheme,
-                host=self._host,
-                port=self._port,
+                authority=self._authority,
                 path=path,
                 query_string=query,
                 encoded=True,
