@@ -43,7 +43,6 @@ from modalgate.encoder_adapter.transformers_encoder import (
     LoadedTower,
     _check_state,
     _materialise_buffers,
-    _resolve_device,
     _tensor_files,
 )
 from modalgate.media.decode import DEFAULT_MAX_PIXELS
@@ -108,9 +107,7 @@ class QwenVisionEncoder(LoadedTower):
         device: str | torch.device = "auto",
         dtype: torch.dtype | None = None,
     ) -> None:
-        self._path = Path(path)
-        self._device = _resolve_device(device)
-        self._dtype = dtype or (torch.bfloat16 if self._device.type == "cuda" else torch.float32)
+        super().__init__(path, device, dtype)
         model_type, config = _load_config(self._path)
         self._tower_only = model_type in _TOWER_TYPES
         family = _FAMILIES[_TOWER_TYPES.get(model_type, model_type)]

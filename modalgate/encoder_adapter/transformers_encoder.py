@@ -88,10 +88,18 @@ class LoadedTower:
     module, the tensors read, and the batched forward split per image. Subclasses load
     ``_module`` and say how many output rows each image gives (``_tokens_per_image``)."""
 
-    _device: torch.device
-    _dtype: torch.dtype
     _module: nn.Module
     _checkpoint_keys: tuple[str, ...]
+
+    def __init__(
+        self, path: str | os.PathLike[str], device: str | torch.device, dtype: torch.dtype | None
+    ) -> None:
+        self._path = Path(path)
+        self._device = _resolve_device(device)
+        # bfloat16 on CUDA (what the checkpoints hold and the servers run); float32 elsewhere
+        # (CPU bf16 is slow and the tests compare against float32 references).
+        cuda = self._device.type == "cuda"
+        self._dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
 
     @property
     def device(self) -> torch.device:
@@ -147,12 +155,7 @@ class TransformersVisionEncoder(LoadedTower):
         device: str | torch.device = "auto",
         dtype: torch.dtype | None = None,
     ) -> None:
-        self._path = Path(path)
-        self._device = _resolve_device(device)
-        if dtype is None:
-            dtype = torch.bfloat16 if self._device.type == "cuda" else torch.float32
-        self._dtype = dtype
-
+        super().__init__(path, device, dtype)
         config = _load_config(self._path)
         self._config = config
         is_full = config.model_type == _FULL_MODEL_TYPE
