@@ -28,7 +28,7 @@ from conftest import (
     png_bomb,
 )
 from modalgate.errors import MAX_LISTED_VIOLATIONS, STATUS, ErrorCode, error_body
-from modalgate.policy import RuleMatcher, parse_policy
+from modalgate.policy import RuleMatcher, load_policy, parse_policy
 from modalgate.validators import Verdict, validate_body, validate_request
 
 P0 = "messages.[0].content.[0]"  # the first part of the first message
@@ -1042,18 +1042,39 @@ def test_body_cap_per_model():
 REJECT_UNKNOWN = "unknown_models: reject\nmodels:\n  - name: known\n    accepts: [image]\n"
 
 
+def test_unknown_model_rejected_by_policy():
+    verdict = check(
+        chat(model="no-such-model"), matcher(REJECT_UNKNOWN), ErrorCode.UNKNOWN_MODEL, "model"
+    )
+    assert verdict.status == 404
+
+
 @pytest.mark.parametrize(
     "request_",
     [
-        chat(model="no-such-model"),
         {"messages": [{"role": "user", "content": "hi"}]},
         chat(model=""),
+        {"model": None, "messages": [{"role": "user", "content": "hi"}]},
     ],
-    ids=["unknown", "missing", "empty"],
+    ids=["missing", "empty", "null"],
 )
-def test_unknown_model_rejected_by_policy(request_):
-    verdict = check(request_, matcher(REJECT_UNKNOWN), ErrorCode.UNKNOWN_MODEL, "model")
-    assert verdict.status == 404
+@pytest.mark.parametrize("policy", [REJECT_UNKNOWN, "unknown_models: allow\n"])
+def test_a_request_without_a_model_is_refused_as_openai_does(request_, policy):
+    # vLLM would serve its default model and SGLang ignores the name: judged as nothing.
+    verdict = check(request_, matcher(policy), ErrorCode.INVALID_REQUEST, "model")
+    assert verdict.status == 400
+    assert verdict.violations[0].message == "model: 'model' is required"
+
+
+def test_a_request_without_a_model_is_judged_as_the_default_model():
+    policy = "default_model: known\n" + REJECT_UNKNOWN
+    verdict = check(
+        {"messages": [{"role": "user", "content": [NON_IMAGE_PARTS["video_url"]]}]},
+        matcher(policy),
+        ErrorCode.UNSUPPORTED_MODALITY,
+        "messages.[0].content.[0].type",
+    )
+    assert verdict.judged_as == "known" and verdict.model is None
 
 
 def test_unknown_model_allowed_by_policy():
@@ -1067,8 +1088,19 @@ def test_known_model_under_reject_policy():
     accepted(chat(image_part(data_url(PNG)), model="KNOWN"), matcher(REJECT_UNKNOWN))
 
 
-def test_unknown_model_in_the_builtin_table_is_allowed(encoder_matcher):
-    accepted(chat(image_part(data_url(PNG)), model="some/unlisted-model"), encoder_matcher)
+def test_unknown_model_in_the_builtin_table_is_allowed_outside_encoder_mode():
+    builtin = RuleMatcher(load_policy(), None)
+    accepted(chat(NON_IMAGE_PARTS["video_url"], model="some/unlisted-model"), builtin)
+
+
+def test_unknown_model_is_refused_in_encoder_mode(encoder_matcher):
+    # Encoder mode's rules name one model family: an unknown name is not waved through.
+    check(
+        chat(image_part(data_url(PNG)), model="some/unlisted-model"),
+        encoder_matcher,
+        ErrorCode.UNKNOWN_MODEL,
+        "model",
+    )
 
 
 # ---------------------------------------------------------------- Responses API and files

@@ -78,7 +78,7 @@ class ModelCatalog:
     def _described(self, model: dict[str, Any]) -> dict[str, Any] | None:
         """The model with its capabilities; None for one this gateway would refuse."""
         rule = self.matcher.resolve(model["id"])
-        if not rule.known and self.matcher.policy.unknown_models == "reject":
+        if not rule.known and self.matcher.refuses_unknown:
             return None
         return {**model, **capabilities(rule, self.matcher.mode)}
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import anyio.to_thread
-import orjson
 from starlette.types import Message, Receive, Scope, Send
 
 from modalgate.encoder_adapter import EncoderAdapter, Overloaded
@@ -21,6 +20,7 @@ from modalgate.gateway.responses import send_error, send_json
 from modalgate.gateway.routes import Upstreams
 from modalgate.policy.models import EmbedsSpec
 from modalgate.validators import Verdict
+from modalgate.validators.json_body import locate, location_of, rewrite_json_body
 
 AdapterLookup = Callable[[str | None], EncoderAdapter | None]
 
@@ -44,13 +44,16 @@ class Forwarder:
         if verdict.api == "responses":
             await send_error(send, [_no_embeds_in_responses(verdict)])
             return
-        rewritten = await self._rewrite(verdict, embeds, send)
+        body = (await receive()).get("body", b"")  # the gate replays the body whole
+        rewritten = await self._rewrite(verdict, embeds, body, send)
         if rewritten is None:
             return
         scope = dict(scope, headers=with_content_length(scope, len(rewritten)))
         await route.forward(scope, _body_then(rewritten, receive), send)
 
-    async def _rewrite(self, verdict: Verdict, embeds: EmbedsSpec, send: Send) -> bytes | None:
+    async def _rewrite(
+        self, verdict: Verdict, embeds: EmbedsSpec, body: bytes, send: Send
+    ) -> bytes | None:
         """The body with image_embeds parts; None once an error has been sent."""
         from modalgate.gateway.embeds import rewrite_to_embeds
 
@@ -72,7 +75,14 @@ class Forwarder:
         if violations:
             await send_error(send, violations)
             return None
-        return await anyio.to_thread.run_sync(orjson.dumps, verdict.request)
+        # The new parts go into the body as received; the rest of it stays as sent.
+        edits = []
+        for part in verdict.parts:
+            if part.modality == "image":
+                location = location_of(part.param)
+                container, key = locate(verdict.request, location)
+                edits.append((location, container[key]))
+        return await anyio.to_thread.run_sync(rewrite_json_body, body, edits)
 
 
 def _no_route(scope: Scope, verdict: Verdict | None) -> Violation:
@@ -108,7 +118,6 @@ def _body_then(body: bytes, receive: Receive) -> Receive:
         if sent:
             return await receive()
         sent = True
-        await receive()  # the original body, replayed by the gate: consumed, not forwarded
         return {"type": "http.request", "body": body, "more_body": False}
 
     return next_message

@@ -16,7 +16,6 @@ from typing import TypeVar
 
 import anyio
 import anyio.to_thread
-import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, payload_too_large
@@ -25,7 +24,8 @@ from modalgate.gateway.remote_media import MediaStage
 from modalgate.gateway.responses import send_error
 from modalgate.policy import Policy, RuleMatcher, load_policy
 from modalgate.validators import Verdict, validate_body, with_fallback
-from modalgate.validators.request import Api
+from modalgate.validators.json_body import Location, rewrite_json_body
+from modalgate.validators.request import Api, ServedModel
 
 DEFAULT_PATHS = ("/v1/chat/completions", "/chat/completions")
 # The Responses API (vLLM and SGLang serve it too): the same checks on its ``input``.
@@ -48,9 +48,16 @@ class ModalGate:
         validation_threads: int = 4,
         on_outcome: OutcomeObserver | None = None,
         responses_paths: Iterable[str] = DEFAULT_RESPONSES_PATHS,
+        served_model: str | ServedModel | None = None,
     ) -> None:
+        """``served_model``: the model the app behind serves, whatever name a request
+        carries (a server of one model ignores the name); or a callable that tells it
+        per request. Requests are then judged as that model."""
         self.app = app
         self.on_outcome = on_outcome
+        self.served: ServedModel | None = (
+            (lambda _name, _rule: served_model) if isinstance(served_model, str) else served_model
+        )
         self.paths = frozenset(p.rstrip("/") or "/" for p in paths)
         self.responses_paths = frozenset(p.rstrip("/") or "/" for p in responses_paths)
         self.validation_threads = validation_threads
@@ -138,26 +145,32 @@ class _GatedRequest:
         body = await self._read_body(receive, send)
         if body is None:
             return
-        verdict = await self.gate.run_cpu(len(body), validate_body, body, self.matcher, self.api)
         received = len(body)
+        verdict = await self.gate.run_cpu(
+            received, validate_body, body, self.matcher, self.api, self.gate.served
+        )
+        edits: list[tuple[Location, object]] = []
         if not verdict.accepted and verdict.rule is not None and verdict.rule.fallback:
             verdict = await self.gate.run_cpu(
                 received, with_fallback, verdict, self.matcher, received
             )
             if verdict.routed_from is not None:
                 send = _with_header(send, ROUTED_TO_HEADER, (verdict.model or "").encode())
-                if verdict.accepted:
-                    body = await self.gate.run_cpu(received, orjson.dumps, verdict.request)
-                    scope = dict(scope, headers=with_content_length(scope, len(body)))
+                edits.append((("model",), verdict.model))
         if verdict.accepted and verdict.remote_parts:
             await self.media.fetch(verdict)
             if verdict.accepted and self.media.inline:
-                # The cost is the fetched bytes' base64, not the (small) request body.
-                fetched = sum(len(p.data or b"") for p in verdict.remote_parts)
-                body = await self.gate.run_cpu(
-                    len(body) + fetched, self.media.inlined_body, verdict
-                )
-                scope = dict(scope, headers=with_content_length(scope, len(body)))
+                inlined = self.media.inlined(verdict)
+                if isinstance(inlined, Violation):
+                    verdict.violations.append(inlined)
+                else:
+                    edits += inlined
+        if verdict.accepted and edits:
+            # Only the edited values change; every other byte's meaning, numbers included,
+            # reaches the app as the client sent it.
+            grown = received + sum(p.inlined_size() for p in verdict.remote_parts)
+            body = await self.gate.run_cpu(grown, rewrite_json_body, body, edits)
+            scope = dict(scope, headers=with_content_length(scope, len(body)))
         self._report(verdict, verdict.violations, received)
         if not verdict.accepted:
             await send_error(send, verdict.violations)

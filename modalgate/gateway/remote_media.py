@@ -9,12 +9,12 @@ URL so the model server never downloads it a second time.
 from __future__ import annotations
 
 import anyio
-import orjson
 
-from modalgate.errors import Violation
+from modalgate.errors import ErrorCode, Violation
 from modalgate.media.fetch import FetchError, MediaFetcher
 from modalgate.policy.models import MediaUrls
 from modalgate.validators import MediaPart, Verdict, check_fetched
+from modalgate.validators.json_body import Location
 
 
 class MediaStage:
@@ -33,6 +33,7 @@ class MediaStage:
         async def one(index: int, part: MediaPart) -> None:
             assert self.fetcher is not None and part.url is not None
             cap = limits.max_image_bytes if part.modality == "image" else limits.max_body_bytes
+            cap = min(cap, limits.max_fetched_bytes)
             try:
                 fetched = await self.fetcher.fetch(part.url, max_bytes=cap, modality=part.modality)
             except FetchError as exc:
@@ -46,14 +47,34 @@ class MediaStage:
             for index, part in enumerate(parts):
                 group.start_soon(one, index, part)
         verdict.violations.extend(v for v in failures if v is not None)
+        fetched = sum(len(part.data or b"") for part in parts)
+        if verdict.accepted and fetched > limits.max_fetched_bytes:
+            verdict.violations.append(
+                Violation(
+                    ErrorCode.MEDIA_FETCH_FAILED,
+                    f"the request's remote media add up to {fetched} bytes; the limit is "
+                    f"{limits.max_fetched_bytes} bytes per request",
+                )
+            )
         if verdict.accepted:
             check_fetched(verdict)
 
-    @staticmethod
-    def inlined_body(verdict: Verdict) -> bytes:
-        for part in verdict.remote_parts:
-            part.inline()
-        return orjson.dumps(verdict.request)
+    def inlined(self, verdict: Verdict) -> list[tuple[Location, str]] | Violation:
+        """Each fetched URL's place and data URL, or why the body would grow too large.
+
+        The forwarded body obeys the same cap as the received one: inlining must not
+        turn a small request into one no client could have sent.
+        """
+        assert verdict.rule is not None
+        cap = verdict.rule.limits.max_body_bytes
+        growth = sum(part.inlined_size() for part in verdict.remote_parts)
+        if verdict.body_bytes + growth > cap:
+            return Violation(
+                ErrorCode.PAYLOAD_TOO_LARGE,
+                f"with its remote media inlined the request body would be about "
+                f"{verdict.body_bytes + growth} bytes; the limit is {cap} bytes",
+            )
+        return [edit for part in verdict.remote_parts if (edit := part.inlined()) is not None]
 
     async def aclose(self) -> None:
         if self.fetcher is not None:

@@ -67,10 +67,18 @@ class RuleMatcher:
     def __init__(self, policy: Policy, mode: str | None = None) -> None:
         self.policy = policy
         self.mode = mode
-        self._rules = [r for r in policy.models if r.mode is None or r.mode == mode]
+        # The rules of this mode, in file order: what every caller iterates.
+        self.rules: tuple[ModelRule, ...] = tuple(
+            r for r in policy.models if r.mode is None or r.mode == mode
+        )
+        self.refuses_unknown = policy.unknown_models == "reject" or (
+            policy.unknown_models == "auto"
+            and mode is not None
+            and any(r.mode == mode for r in self.rules)
+        )
         self._patterns = [
             _compile(index, pattern)
-            for index, rule in enumerate(self._rules)
+            for index, rule in enumerate(self.rules)
             for pattern in (rule.name, *rule.match)
         ]
         self._unknown = ResolvedRule(
@@ -97,7 +105,7 @@ class RuleMatcher:
                 tier = 0
             else:
                 continue
-            rule = self._rules[pattern.rule_index]
+            rule = self.rules[pattern.rule_index]
             key = (tier, rule.mode is not None, pattern.literal_chars, -pattern.rule_index)
             if best is None or key > best:
                 best, best_rule = key, rule

@@ -39,10 +39,14 @@ class Limits(_Strict):
 
     max_body_bytes: int = Field(64 * 1024 * 1024, gt=0)
     max_images: int | None = Field(16, ge=0)
-    max_videos: int | None = Field(None, ge=0)
-    max_audios: int | None = Field(None, ge=0)
-    max_files: int | None = Field(None, ge=0)
+    # Finite by default: each item is fetched, decoded and processed by the server.
+    max_videos: int | None = Field(4, ge=0)
+    max_audios: int | None = Field(8, ge=0)
+    max_files: int | None = Field(8, ge=0)
+    max_embeddings: int | None = Field(16, ge=0)
     max_image_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    # All remote media one request may make the gate download, together.
+    max_fetched_bytes: int = Field(64 * 1024 * 1024, gt=0)
     max_image_pixels: int = Field((512 * 14) ** 2, gt=0)
     min_image_side: int = Field(2, ge=1)
     image_formats: tuple[ImageFormat, ...] = ("jpeg", "png", "webp", "gif")
@@ -57,6 +61,7 @@ class Limits(_Strict):
             "video": self.max_videos,
             "audio": self.max_audios,
             "file": self.max_files,
+            "embeddings": self.max_embeddings,
         }.get(modality)
 
     def merged(self, override: Limits | None) -> Limits:
@@ -235,7 +240,11 @@ class ModelRule(_Strict):
 class Policy(_Strict):
     # "builtin": this file is applied on top of the built-in table (see loading).
     extends: Literal["builtin"] | None = None
-    unknown_models: Literal["allow", "reject"] = "allow"
+    # auto: refused in a mode that has rules written for it (encoder mode serves one
+    # model family), allowed otherwise.
+    unknown_models: Literal["allow", "reject", "auto"] = "auto"
+    # The model a request without one is judged as; None: such a request is refused.
+    default_model: str | None = Field(None, min_length=1)
     limits: Limits = Limits()
     media_roles: tuple[Role, ...] = ("user",)
     media_urls: MediaUrls = MediaUrls()

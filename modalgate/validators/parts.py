@@ -147,10 +147,9 @@ def read_part(
             if detail is not None and (not isinstance(detail, str) or detail not in IMAGE_DETAILS):
                 return _bad("'detail' must be one of auto, low, high", path(key_param, "detail"))
             url, url_param = value.get("url"), path(key_param, "url")
-            media.holder, media.key = value, "url"
         else:
             url, url_param = value, key_param
-            media.holder, media.key = part, kind.key
+        media.inlinable = True
         if not isinstance(url, str):
             problem = "must be a string" if isinstance(value, dict) else "must be an object"
             return _bad(f"{problem} (a URL or a data URL)", url_param)
@@ -195,8 +194,7 @@ def _url_or_file_id(
 ) -> MediaPart | Violation:
     url, file_id = holder.get(url_key), holder.get("file_id")
     if isinstance(url, str):
-        if not bare_base64:
-            media.holder, media.key = holder, url_key
+        media.inlinable = not bare_base64
         return _with_url(media, url, path(where, url_key), bare_base64=bare_base64)
     if url is None and isinstance(file_id, str):
         media.source, media.payload_param = "file_id", path(where, "file_id")

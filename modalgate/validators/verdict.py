@@ -9,6 +9,7 @@ import pybase64
 
 from modalgate.errors import Violation, status_of
 from modalgate.policy.matching import ResolvedRule
+from modalgate.validators.json_body import Location, location_of
 
 
 @dataclass(slots=True)
@@ -35,21 +36,26 @@ class MediaPart:
     payload_param: str | None = None  # where the URL or base64 sits
     type_param: str | None = None  # where the declared type sits
     data: bytes | None = field(default=None, repr=False)
-    # The dict and key holding the URL string, so a fetched URL can be inlined.
-    holder: dict[str, Any] | None = field(default=None, repr=False)
-    key: str | None = None
+    # The URL sits where a data URL may stand instead, so fetched bytes can be inlined.
+    inlinable: bool = False
     payload: str | None = field(default=None, repr=False)  # the base64 text, until decoded
 
-    def inline(self) -> bool:
-        """Replace a fetched URL in the request by a data URL of the fetched bytes."""
-        if self.holder is None or self.key is None or self.data is None or self.url is None:
-            return False
+    def inlined(self) -> tuple[Location, str] | None:
+        """Where the fetched URL sits and the data URL of its bytes, to forward instead."""
+        if not self.inlinable or self.data is None or self.url is None:
+            return None
         if self.format and self.modality in ("image", "video", "audio"):
             mime = f"{self.modality}/{self.format}"  # what the bytes are, not what a server said
         else:
             mime = self.mime or "application/octet-stream"
-        self.holder[self.key] = f"data:{mime};base64,{pybase64.b64encode(self.data).decode()}"
-        return True
+        data_url = f"data:{mime};base64,{pybase64.b64encode(self.data).decode()}"
+        return location_of(self.payload_param or self.param), data_url
+
+    def inlined_size(self) -> int:
+        """Bytes the body grows by once this part's data URL replaces its URL."""
+        if not self.inlinable or self.data is None or self.url is None:
+            return 0
+        return 40 + (len(self.data) + 2) // 3 * 4 - len(self.url)
 
     def facts(self) -> dict[str, Any]:
         return {
@@ -74,7 +80,7 @@ class Verdict:
 
     violations: list[Violation]
     parts: list[MediaPart] = field(default_factory=list)
-    model: str | None = None
+    model: str | None = None  # as the client sent it
     mode: str | None = None
     rule: ResolvedRule | None = None
     request: dict[str, Any] | None = field(default=None, repr=False)
@@ -84,6 +90,10 @@ class Verdict:
     # client asked for (a policy name, safe for metric labels; ``model`` is the new one).
     routed_from: str | None = None
     api: Literal["chat", "responses"] = "chat"  # which request shape was read
+    # The model the request was judged as, when not the one it named: the policy's
+    # default_model, or the model its upstream really serves.
+    judged_as: str | None = None
+    body_bytes: int = 0  # the body as received, where validation was given its size
 
     @property
     def accepted(self) -> bool:
@@ -102,6 +112,7 @@ class Verdict:
             "object": "modalgate.verdict",
             "accepted": self.accepted,
             "model": self.model,
+            "judged_as": self.judged_as,
             "mode": self.mode,
             "rule": self.rule.name if self.rule and self.rule.known else None,
             "routed_from": self.routed_from,
