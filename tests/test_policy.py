@@ -189,7 +189,7 @@ def test_builtin_loads_and_every_rule_has_a_source(builtin: Policy) -> None:
 def test_builtin_defaults(builtin: Policy) -> None:
     assert builtin.unknown_models == "auto"
     assert builtin.limits == Limits()
-    assert builtin.media_roles == ("user",)
+    assert builtin.media_roles == ("user", "tool")
     assert builtin.media_urls.schemes == ("data", "https")
 
 

@@ -51,6 +51,11 @@ class Limits(_Strict):
     min_image_side: int = Field(2, ge=1)
     image_formats: tuple[ImageFormat, ...] = ("jpeg", "png", "webp", "gif")
     allow_animated: bool = False
+    # Frames per image where animation is allowed (counting stops one past it).
+    max_image_frames: int = Field(1000, gt=0)
+    # Decode every image fully (cost: a decode per image) to refuse truncation that
+    # structural checks cannot see; see docs/security.md.
+    verify_image_data: bool = False
     # Vision-token budgets, estimated with the rule's `tokens` family; None = no budget.
     max_image_tokens: int | None = Field(None, gt=0)
     max_request_image_tokens: int | None = Field(None, gt=0)
@@ -246,7 +251,7 @@ class Policy(_Strict):
     # The model a request without one is judged as; None: such a request is refused.
     default_model: str | None = Field(None, min_length=1)
     limits: Limits = Limits()
-    media_roles: tuple[Role, ...] = ("user",)
+    media_roles: tuple[Role, ...] = ("user", "tool")
     media_urls: MediaUrls = MediaUrls()
     server: Server = Server()
     models: tuple[ModelRule, ...] = ()

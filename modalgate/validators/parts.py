@@ -4,11 +4,16 @@ A part's declared type names its modality and where its payload sits. The table
 is the single place that knows part shapes; ``read_part`` turns a raw part into
 either a text part (nothing to check), a ``MediaPart`` to check, or a violation.
 
-Servers also take parts without ``type`` (vLLM infers it from the payload key,
-and ignores ``type`` when a ``uuid`` is present), so a part that carries a media
-payload key other than its own is refused: otherwise ``{"type": "text",
-"uuid": "1", "video_url": ...}`` would pass here as text and reach the model as
-a video.
+Servers also take parts without ``type``: vLLM infers the kind from the payload
+key, and does the same, ignoring ``type``, whenever a part carries a ``uuid``. So
+a part with a ``uuid`` is judged by its payload key as vLLM reads it, and one
+whose declared type names another kind is refused (SGLang drops ``uuid`` and
+reads the type: the two engines would see different media). A typed part that
+also carries another kind's payload key is refused too: otherwise ``{"type":
+"text", "video_embeds": ...}`` would pass here as text and reach a server that
+reads keys as a video. A ``uuid`` part whose payload is ``null`` is vLLM's
+reference to media it cached earlier: it counts as that modality, with no bytes
+to check.
 """
 
 from __future__ import annotations
@@ -48,18 +53,20 @@ PART_KINDS: dict[str, PartKind] = {
     "audio_url": PartKind("audio", "audio_url", "url"),
     "image_embeds": PartKind("embeddings", "image_embeds", "embeds"),
     "audio_embeds": PartKind("embeddings", "audio_embeds", "embeds"),
+    "video_embeds": PartKind("embeddings", "video_embeds", "embeds"),
     "prompt_embeds": PartKind("embeddings", "data", "embeds"),
     "thinking": PartKind("text", "thinking", "text"),
     "tool_reference": PartKind("text", "name", "text"),
     "image_pil": PartKind("image", "image_pil", "never"),
 }
 
-# vLLM's order for inferring a missing type from the payload key.
+# vLLM's order for inferring the type from the payload key (no type, or a uuid).
 INFERRED_FROM_KEY: tuple[tuple[str, str], ...] = (
     ("image_url", "image_url"),
     ("image_pil", "image_pil"),
     ("image_embeds", "image_embeds"),
     ("audio_embeds", "audio_embeds"),
+    ("video_embeds", "video_embeds"),
     ("prompt_embeds", "prompt_embeds"),
     ("audio_url", "audio_url"),
     ("input_audio", "input_audio"),
@@ -72,6 +79,7 @@ MEDIA_KEYS = frozenset(
         "image_pil",
         "image_embeds",
         "audio_embeds",
+        "video_embeds",
         "prompt_embeds",
         "audio_url",
         "input_audio",
@@ -79,7 +87,9 @@ MEDIA_KEYS = frozenset(
         "file",
     }
 )
-IMAGE_DETAILS = frozenset({"auto", "low", "high"})
+# OpenAI's values (``original``: full resolution, newer SDKs), and SGLang's ``default``.
+IMAGE_DETAILS = frozenset({"auto", "low", "high", "original", "default"})
+_DETAIL_PROBLEM = "'detail' must be one of auto, low, high, original"
 
 
 def _bad(message: str, param: str) -> Violation:
@@ -89,15 +99,23 @@ def _bad(message: str, param: str) -> Violation:
 def part_type_of(part: dict[str, Any], where: str) -> tuple[str, str] | Violation:
     """The part's type and the param to blame for type-level problems."""
     declared = part.get("type")
-    if declared is None:
-        inferred = next((kind for key, kind in INFERRED_FROM_KEY if key in part), None)
-        if inferred is None:
-            return _bad("content part has no 'type'", path(where, "type"))
-        return _known_part_type(part, inferred, path(where, inferred))
     type_param = path(where, "type")
-    if not isinstance(declared, str):
+    if declared is not None and not isinstance(declared, str):
         return _bad("'type' must be a string", type_param)
-    return _known_part_type(part, declared, type_param)
+    if declared is not None and part.get("uuid") is None:
+        return _known_part_type(part, declared, type_param)
+    inferred = next((kind for key, kind in INFERRED_FROM_KEY if key in part), None)
+    if inferred is None:
+        if declared is None:
+            return _bad("content part has no 'type'", type_param)
+        return _bad("a part with 'uuid' must carry a media payload key", type_param)
+    if declared is not None and declared != inferred:
+        return _bad(
+            f"a part with 'uuid' is read by its payload key ({inferred!r}) by some servers and"
+            f" by its type ({_short(declared)!r}) by others; make them agree",
+            type_param,
+        )
+    return _known_part_type(part, inferred, path(where, inferred))
 
 
 def _known_part_type(
@@ -141,11 +159,14 @@ def read_part(
     media = MediaPart(
         param=where, part_type=part_type, modality=kind.modality, role=role, source="url"
     )
+    if value is None and part.get("uuid") is not None and kind.key in part:
+        media.source, media.payload_param = "cached", key_param  # vLLM's cached-media reference
+        return media
     if kind.shape == "url":
         if isinstance(value, dict):
             detail = value.get("detail")
             if detail is not None and (not isinstance(detail, str) or detail not in IMAGE_DETAILS):
-                return _bad("'detail' must be one of auto, low, high", path(key_param, "detail"))
+                return _bad(_DETAIL_PROBLEM, path(key_param, "detail"))
             url, url_param = value.get("url"), path(key_param, "url")
         else:
             url, url_param = value, key_param
@@ -157,7 +178,7 @@ def read_part(
     if kind.shape == "input_image":
         detail = part.get("detail")
         if detail is not None and (not isinstance(detail, str) or detail not in IMAGE_DETAILS):
-            return _bad("'detail' must be one of auto, low, high", path(where, "detail"))
+            return _bad(_DETAIL_PROBLEM, path(where, "detail"))
         return _url_or_file_id(media, part, "image_url", where)
     if kind.shape == "input_audio":
         if not isinstance(value, dict) or not isinstance(value.get("data"), str):
@@ -183,7 +204,7 @@ def read_part(
     well_formed = isinstance(value, str) or (
         isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
     )
-    if not well_formed and not (value is None and "uuid" in part):
+    if not well_formed:
         return _bad("must be a base64 string or an object of base64 strings", key_param)
     media.source, media.payload_param = "embeds", key_param
     return media

@@ -46,6 +46,34 @@ Api = Literal["chat", "responses"]
 ServedModel = Callable[[str, ResolvedRule], "str | None"]
 # Responses API input items that carry content parts besides messages: tool outputs.
 _OUTPUT_ITEMS = frozenset({"function_call_output", "custom_tool_call_output"})
+# Items that never carry client media (calls the model made, its reasoning, references).
+_CONTENTLESS_ITEMS = frozenset(
+    {
+        "reasoning",
+        "function_call",
+        "custom_tool_call",
+        "computer_call",
+        "web_search_call",
+        "file_search_call",
+        "code_interpreter_call",
+        "image_generation_call",
+        "local_shell_call",
+        "local_shell_call_output",
+        "shell_call",
+        "shell_call_output",
+        "apply_patch_call",
+        "apply_patch_call_output",
+        "mcp_list_tools",
+        "mcp_approval_request",
+        "mcp_approval_response",
+        "mcp_call",
+        "item_reference",
+        "compaction",
+    }
+)
+_REASONING_KEYS = ("reasoning", "reasoning_content")
+# Keys through which an item of another type could carry content to a server.
+_CONTENT_KEYS = frozenset({"content", "output", "image_url", "file_data", "file_url", "input"})
 
 
 def validate_body(
@@ -119,7 +147,9 @@ def validate_request(
         _walk_messages(messages, rule, verdict)
     if verdict.violations or not verdict.parts:
         return verdict  # refused, or text only: nothing more to check
-    _check_counts(rule, verdict)
+    _check_audio_in_video(request, rule, verdict)
+    if not verdict.violations:
+        _check_counts(rule, verdict)
     if not verdict.violations:
         for part in verdict.parts:
             verdict.violations.extend(cheap_violations(part, rule, matcher.policy.media_urls))
@@ -151,13 +181,21 @@ def _walk_messages(messages: list[Any], rule: ResolvedRule, verdict: Verdict) ->
             isinstance(message, dict)
             and isinstance(message.get("content"), str)
             and isinstance(message.get("role"), str)
+            and "reasoning" not in message
+            and "reasoning_content" not in message
         ):
             continue
         _walk_message(message, path("messages", i), rule, verdict)
 
 
 def _walk_input(items: Any, rule: ResolvedRule, verdict: Verdict) -> None:
-    """The Responses API's ``input``: text, or items in order."""
+    """The Responses API's ``input``: text, or items in order.
+
+    Servers turn items into chat messages: anything with a ``role`` is read as a
+    message (vLLM passes unknown items on that way), tool outputs as tool messages.
+    So every item that carries content or an image is walked, and an item of a
+    type that is not known to carry none, but holds content anyway, is refused.
+    """
     if isinstance(items, str):
         return
     if not isinstance(items, list):
@@ -172,11 +210,37 @@ def _walk_input(items: Any, rule: ResolvedRule, verdict: Verdict) -> None:
             verdict.violations.append(_invalid("each input item must be an object", where))
             continue
         kind = item.get("type", "message")
-        if kind == "message":
+        if not isinstance(kind, str):
+            verdict.violations.append(_invalid("'type' must be a string", path(where, "type")))
+        elif kind == "message" or "role" in item:
             _walk_message(item, where, rule, verdict)
-        elif kind in _OUTPUT_ITEMS and isinstance(item.get("output"), list):
-            for j, part in enumerate(item["output"]):
-                _read_part(part, path(where, "output", j), "tool", rule, verdict)
+        elif kind in _OUTPUT_ITEMS:
+            output = item.get("output")
+            if isinstance(output, list):
+                for j, part in enumerate(output):
+                    _read_part(part, path(where, "output", j), "tool", rule, verdict)
+        elif kind == "computer_call_output":
+            _read_screenshot(item.get("output"), path(where, "output"), rule, verdict)
+        elif kind not in _CONTENTLESS_ITEMS and _CONTENT_KEYS.intersection(item):
+            verdict.violations.append(
+                _invalid(
+                    f"input items of type {kind[:40]!r} that carry content are not supported",
+                    path(where, "type"),
+                )
+            )
+
+
+def _read_screenshot(output: Any, where: str, rule: ResolvedRule, verdict: Verdict) -> None:
+    """A computer-use screenshot: an image like any other, checked, fetched and screened."""
+    if not isinstance(output, dict):
+        verdict.violations.append(_invalid("must be a computer_screenshot object", where))
+        return
+    if output.get("type") != "computer_screenshot":
+        verdict.violations.append(
+            _invalid("'type' must be 'computer_screenshot'", path(where, "type"))
+        )
+        return
+    _read_part({**output, "type": "input_image"}, where, "tool", rule, verdict)
 
 
 def _walk_message(message: Any, where: str, rule: ResolvedRule, verdict: Verdict) -> None:
@@ -188,6 +252,13 @@ def _walk_message(message: Any, where: str, rule: ResolvedRule, verdict: Verdict
     if not isinstance(role, str):
         violations.append(_invalid("'role' must be a string", path(where, "role")))
         return
+    for key in _REASONING_KEYS:
+        reasoning = message.get(key)
+        if isinstance(reasoning, list):  # parts where text belongs: judged as content
+            for j, part in enumerate(reasoning):
+                _read_part(part, path(where, key, j), role, rule, verdict)
+        elif reasoning is not None and not isinstance(reasoning, str):
+            violations.append(_invalid(f"'{key}' must be a string", path(where, key)))
     content = message.get("content")
     if isinstance(content, str):
         return
@@ -270,6 +341,44 @@ def _unsupported(part: MediaPart, rule: ResolvedRule, verdict: Verdict) -> Viola
             f"{(verdict.model or '')[:100]}{mode} (accepts: {accepts})"
         )
     return Violation(ErrorCode.UNSUPPORTED_MODALITY, message, param)
+
+
+def _check_audio_in_video(request: dict[str, Any], rule: ResolvedRule, verdict: Verdict) -> None:
+    """``use_audio_in_video`` makes each video URL an audio input too (vLLM reads it from
+    ``mm_processor_kwargs``, SGLang from the top level): judged as audio as well."""
+    kwargs = request.get("mm_processor_kwargs")
+    if isinstance(kwargs, dict) and kwargs.get("use_audio_in_video"):
+        flag = "mm_processor_kwargs.use_audio_in_video"
+    elif request.get("use_audio_in_video"):
+        flag = "use_audio_in_video"
+    else:
+        return
+    videos = [p for p in verdict.parts if p.part_type == "video_url" and p.source != "cached"]
+    if not videos:
+        return
+    if "audio" not in rule.accepts:
+        verdict.unsupported.add("audio")
+        name = (verdict.judged_as or verdict.model or "")[:100]
+        verdict.violations.append(
+            Violation(
+                ErrorCode.UNSUPPORTED_MODALITY,
+                f"{flag}: videos would carry their audio track, and audio input is not "
+                f"supported by {name} (accepts: {', '.join(sorted(rule.accepts)) or 'text only'})",
+                flag,
+            )
+        )
+        return
+    limit = rule.limits.max_audios
+    audios = sum(1 for p in verdict.parts if p.modality == "audio") + len(videos)
+    if limit is not None and audios > limit:
+        verdict.violations.append(
+            Violation(
+                ErrorCode.TOO_MANY_MEDIA,
+                f"{flag}: with each video's audio track the request has {audios} audio inputs;"
+                f" at most {limit} allowed",
+                flag,
+            )
+        )
 
 
 def _check_counts(rule: ResolvedRule, verdict: Verdict) -> None:

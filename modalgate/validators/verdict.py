@@ -24,7 +24,7 @@ class MediaPart:
     part_type: str
     modality: str
     role: str
-    source: str  # data | url | base64 | file_id | embeds
+    source: str  # data | url | base64 | file_id | embeds | cached (a uuid, no payload)
     url: str | None = None  # remote URL, never a data URL
     mime: str | None = None
     format: str | None = None
