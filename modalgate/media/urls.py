@@ -25,9 +25,11 @@ def parse_media_url(url: str) -> httpx.URL | str:
     if "\\" in url or any(ord(c) < 0x21 for c in url):
         return "the URL contains backslashes, spaces or control characters"
     try:
-        return httpx.URL(url)
+        parsed = httpx.URL(url)
+        _ = parsed.host  # decodes IDNA labels, which can fail (xn--ls8h is not a valid label)
     except (httpx.InvalidURL, ValueError, UnicodeError):
         return "the URL cannot be parsed"
+    return parsed
 
 
 def parsed_url_refusal(parsed: httpx.URL, rules: MediaUrls) -> str | None:
