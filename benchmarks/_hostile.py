@@ -557,6 +557,18 @@ class Generator:
                     "output": [self._part(rng)],
                 },
             ]
+        if rng.random() < 0.1:
+            url = self._image_url(rng) if rng.random() < 0.7 else self._urls["mp4"]
+            items.append(
+                {
+                    "type": "computer_call_output",
+                    "call_id": "c2",
+                    "output": {"type": "computer_screenshot", "image_url": url},
+                }
+            )
+        if rng.random() < 0.05:
+            kind = rng.choice(("reasoning", "item_reference", "custom", "message "))
+            items.append({"type": kind, "role": "user", "content": [self._part(rng)]})
         body: dict[str, Any] = {"model": rng.choice(MODELS), "input": items}
         if rng.random() < 0.2:
             body["stream"] = True
@@ -1289,14 +1301,25 @@ def part_modalities(part: Any) -> set[str]:
     return found
 
 
+def _message_parts(message: dict[str, Any]) -> Iterator[Any]:
+    content = message.get("content")
+    if isinstance(content, list):
+        yield from content
+    elif isinstance(content, dict):
+        yield content
+    for key in ("reasoning", "reasoning_content"):
+        if isinstance(message.get(key), list):
+            yield from message[key]
+
+
 def _parts_of(body: dict[str, Any]) -> Iterator[Any]:
+    """The parts a server reads: chat messages' content; Responses items with a role as
+    messages, tool outputs, computer-use screenshots, and part-shaped items."""
     messages = body.get("messages")
     if isinstance(messages, list):
         for message in messages:
-            if isinstance(message, dict) and isinstance(message.get("content"), list):
-                yield from message["content"]
-            elif isinstance(message, dict) and isinstance(message.get("content"), dict):
-                yield message["content"]
+            if isinstance(message, dict):
+                yield from _message_parts(message)
     items = body.get("input")
     if isinstance(items, list):
         for item in items:
@@ -1305,10 +1328,12 @@ def _parts_of(body: dict[str, Any]) -> Iterator[Any]:
             kind = item.get("type", "message")
             if not isinstance(kind, str):
                 continue
-            if kind == "message" and isinstance(item.get("content"), list):
-                yield from item["content"]
+            if kind == "message" or "role" in item:
+                yield from _message_parts(item)
             elif kind in _OUTPUT_ITEMS and isinstance(item.get("output"), list):
                 yield from item["output"]
+            elif kind == "computer_call_output" and isinstance(item.get("output"), dict):
+                yield {**item["output"], "type": "input_image"}
             elif kind in MEDIA_MODALITY:
                 yield item
 

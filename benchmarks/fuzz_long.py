@@ -637,8 +637,9 @@ class ServeStack:
     """A recording upstream process and ``modalgate serve`` in front of it, on 127.0.0.1."""
 
     mode: str | None
-    upstream_command: list[str] | None = None
+    upstream_command: list[str] | None = None  # gets --port P appended
     gateway_args: list[str] = field(default_factory=list)
+    upstream_ready_path: str = "/_fuzz/findings"
     log_path: Path = field(default_factory=lambda: Path(tempfile.mktemp(suffix=".log")))
 
     def __enter__(self) -> ServeStack:
@@ -675,7 +676,9 @@ class ServeStack:
             gateway, stdout=self._log, stderr=subprocess.STDOUT, env=env
         )
         try:
-            wait_http(f"http://127.0.0.1:{self.upstream_port}/_fuzz/findings", self.upstream)
+            wait_http(
+                f"http://127.0.0.1:{self.upstream_port}{self.upstream_ready_path}", self.upstream
+            )
             wait_http(f"http://127.0.0.1:{self.port}/healthz", self.gateway)
         except BaseException:
             self.__exit__()
