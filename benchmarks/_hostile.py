@@ -1043,34 +1043,16 @@ class Generator:
 
 # ---------------------------------------------------------------- the answer's checks
 
-KNOWN_CODES = frozenset(
-    {
-        "invalid_json",
-        "invalid_request",
-        "unsupported_content_type",
-        "unsupported_modality",
-        "modality_mismatch",
-        "role_not_allowed",
-        "unknown_model",
-        "too_many_media",
-        "payload_too_large",
-        "invalid_base64",
-        "invalid_image",
-        "unsupported_image_format",
-        "animated_image",
-        "image_too_large",
-        "image_too_small",
-        "unsupported_image_shape",
-        "too_many_image_tokens",
-        "url_not_allowed",
-        "media_fetch_failed",
-        "encoder_overloaded",
-        "encoder_error",
-        "upstream_unavailable",
-        "upstream_timeout",
-        "not_found",
-    }
-)
+
+def _catalogue() -> dict[str, int]:
+    """The documented codes and their statuses: ``modalgate.errors`` is the list."""
+    from modalgate.errors import STATUS
+
+    return {code.value: status for code, status in STATUS.items()}
+
+
+STATUS_OF = _catalogue()
+KNOWN_CODES = frozenset(STATUS_OF)
 # What a message must never carry: stack text, reprs, heap addresses, source paths.
 INTERNALS = re.compile(
     r"Traceback|object at 0x|\b0x[0-9a-fA-F]{8,}\b|File \"/|\.py\"?, line|"
@@ -1163,36 +1145,11 @@ def check_answer(request: HostileRequest, answer: Answer) -> None:
     if not 200 <= status < 300 and not from_upstream and request.method.strip().upper() != "HEAD":
         problem = envelope_problem(answer.body, status)
         if problem is None:
-            expected = _STATUS_OF.get(error_code(answer.body) or "")
+            expected = STATUS_OF.get(error_code(answer.body) or "")
             if expected is not None and expected != status:
                 problem = f"status {status} but code {error_code(answer.body)} says {expected}"
         if problem is not None:
             answer.problems.append(("envelope", f"status {status}: {problem}"))
-
-
-_STATUS_OF = {
-    "payload_too_large": 413,
-    "unknown_model": 404,
-    "not_found": 404,
-    "encoder_overloaded": 503,
-    "encoder_error": 500,
-    "upstream_unavailable": 502,
-    "upstream_timeout": 504,
-    **{
-        code: 400
-        for code in KNOWN_CODES
-        if code
-        not in (
-            "payload_too_large",
-            "unknown_model",
-            "not_found",
-            "encoder_overloaded",
-            "encoder_error",
-            "upstream_unavailable",
-            "upstream_timeout",
-        )
-    },
-}
 
 
 # ---------------------------------------------------------------- what the upstream must not see
@@ -1224,9 +1181,10 @@ _OUTPUT_ITEMS = frozenset({"function_call_output", "custom_tool_call_output"})
 
 
 def normalise_path(raw_path: bytes) -> str:
-    """The path a lenient server or proxy in front of it would route: decoded, slashes
-    merged, dot segments resolved, trailing slash and ``;params`` dropped."""
-    text = urllib.parse.unquote(raw_path.decode("latin-1")).split(";", 1)[0]
+    """The path a lenient server or a proxy in front of it (nginx's defaults) would route:
+    percent-decoded, slashes merged, dot segments resolved, trailing slash dropped.
+    (``;params`` are kept: only Java servlet containers strip them.)"""
+    text = urllib.parse.unquote(raw_path.decode("latin-1"))
     text = re.sub(r"/{2,}", "/", text)
     if not text.startswith("/"):
         text = "/" + text
@@ -1312,16 +1270,17 @@ def _message_parts(message: dict[str, Any]) -> Iterator[Any]:
             yield from message[key]
 
 
-def _parts_of(body: dict[str, Any]) -> Iterator[Any]:
-    """The parts a server reads: chat messages' content; Responses items with a role as
-    messages, tool outputs, computer-use screenshots, and part-shaped items."""
+def _parts_of(body: dict[str, Any], api: str | None) -> Iterator[Any]:
+    """The parts a server reads: chat messages' content (``api`` "chat"); Responses items
+    with a role as messages, tool outputs, computer-use screenshots, and part-shaped
+    items (``api`` "responses"); both for an endpoint of neither API."""
     messages = body.get("messages")
-    if isinstance(messages, list):
+    if isinstance(messages, list) and api != "responses":
         for message in messages:
             if isinstance(message, dict):
                 yield from _message_parts(message)
     items = body.get("input")
-    if isinstance(items, list):
+    if isinstance(items, list) and api != "chat":
         for item in items:
             if not isinstance(item, dict):
                 continue
@@ -1379,15 +1338,16 @@ def upstream_findings(
     if resolved is None:
         return []
     known, accepts = resolved
+    routed = normalise_path(raw_path)
+    api = "chat" if routed in GATED_CHAT else "responses" if routed in GATED_RESPONSES else None
     present: set[str] = set()
-    for part in _parts_of(value):
+    for part in _parts_of(value, api):
         present |= part_modalities(part)
     # An unknown model the mode refuses should never have been forwarded with media.
     refused = (present - accepts) if known else (present if refuses_unknown else set())
     if not refused:
         return []
     as_sent = urllib.parse.unquote(raw_path.decode("latin-1")).rstrip("/") or "/"
-    routed = normalise_path(raw_path)
     detail = (
         f"{method} {raw_path.decode('latin-1')[:80]} model={model[:60]!r} got {sorted(refused)}"
     )

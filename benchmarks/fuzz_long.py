@@ -322,14 +322,22 @@ def _exception_text(exc: BaseException) -> str:
 # ---------------------------------------------------------------- the asgi target
 
 
-def _quiet_logging(handler: LoggedErrors) -> None:
+def _capture_logging(handler: LoggedErrors) -> Callable[[], None]:
+    """Catch error records from the app, keep its INFO lines quiet; returns the undo (the
+    tests run in a process other tests share)."""
     root = logging.getLogger()
-    for old in list(root.handlers):
-        root.removeHandler(old)
+    loggers = [logging.getLogger(name) for name in ("modalgate", "asyncio")]
+    levels = [logger.level for logger in loggers]
     root.addHandler(handler)
-    root.setLevel(logging.WARNING)
-    for name in ("modalgate", "modalgate.access", "modalgate.gateway", "asyncio"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+
+    def undo() -> None:
+        root.removeHandler(handler)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+    return undo
 
 
 class AsgiTarget:
@@ -346,7 +354,7 @@ class AsgiTarget:
         self.timeout_s = timeout_s
         self.pool = RecordingPool(mode)
         self.errors = LoggedErrors()
-        _quiet_logging(self.errors)
+        self._undo_logging = _capture_logging(self.errors)
         if wrap is not None:  # any gate around the recording app (the harness's self-test)
             self.app: Any = wrap(RecordingApp(self.pool))
         elif app_kind == "middleware":
@@ -389,14 +397,17 @@ class AsgiTarget:
             raise RuntimeError(f"the app did not start: {message}")
 
     async def stop(self) -> None:
-        if self._lifespan is None:
-            return
-        await self._lifespan_queue.put({"type": "lifespan.shutdown"})
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._lifespan_sent.get(), 10)
-        self._lifespan.cancel()
-        with contextlib.suppress(BaseException):
-            await self._lifespan
+        try:
+            if self._lifespan is None:
+                return
+            await self._lifespan_queue.put({"type": "lifespan.shutdown"})
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._lifespan_sent.get(), 10)
+            self._lifespan.cancel()
+            with contextlib.suppress(BaseException):
+                await self._lifespan
+        finally:
+            self._undo_logging()
 
     async def call(self, request: HostileRequest) -> Answer:
         """One request through the app; the answer carries every broken invariant."""
@@ -724,15 +735,40 @@ async def raw_exchange(
         payload += b"0\r\n\r\n"
     else:
         payload += request.body
-    writer: asyncio.StreamWriter | None = None
 
     async def exchange() -> bytes:
-        nonlocal writer
-        reader, writer = await asyncio.open_connection(host, port)
-        writer.write(payload)
-        with contextlib.suppress(ConnectionError):
-            await writer.drain()
-        return await reader.read(-1)
+        """Read while sending, as curl does: a server may answer early (a refusal from
+        headers alone) and close before the body is all out; that answer still counts."""
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setblocking(False)
+
+        async def sender() -> None:
+            with contextlib.suppress(OSError):
+                await loop.sock_sendall(sock, payload)
+
+        sending: asyncio.Future[None] | None = None
+        chunks: list[bytes] = []
+        try:
+            await loop.sock_connect(sock, (host, port))
+            sending = asyncio.ensure_future(sender())
+            while True:
+                try:
+                    data = await loop.sock_recv(sock, 65536)
+                except ConnectionResetError:
+                    if chunks:
+                        break
+                    raise
+                if not data:
+                    break
+                chunks.append(data)
+        finally:
+            if sending is not None:
+                sending.cancel()
+                with contextlib.suppress(BaseException):
+                    await sending
+            sock.close()
+        return b"".join(chunks)
 
     try:
         raw = await asyncio.wait_for(exchange(), timeout_s)
@@ -744,9 +780,6 @@ async def raw_exchange(
         return Answer(None, [], b"", [("no_response", f"{type(exc).__name__}: {exc}")]), (
             time.perf_counter() - started
         )
-    finally:
-        if writer is not None:
-            writer.close()
     elapsed = time.perf_counter() - started
     return parse_response(raw, request.method), elapsed
 
