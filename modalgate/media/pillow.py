@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import threading
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -23,6 +23,8 @@ from PIL import (
     PngImagePlugin,
     TiffImagePlugin,
 )
+
+from modalgate.media.image_integrity import ImageIntegrityError, check_structure
 
 PLUGINS: dict[str, Callable[[io.BytesIO], ImageFile.ImageFile]] = {
     "png": PngImagePlugin.PngImageFile,
@@ -45,24 +47,47 @@ try:  # Pillow >= 11.2 built with libavif
 except ImportError:  # pragma: no cover
     pass
 
-_PNG_IEND = b"IEND\xaeB`\x82"
-_JPEG_EOI = b"\xff\xd9"
+# Pillow's format plugins warn about hostile headers ("Corrupt EXIF data", "Metadata
+# Warning", "Invalid APNG") and then carry on or raise; the gate refuses such images
+# with its own message. Silenced by filters on those modules only, not by a
+# ``warnings.catch_warnings()`` around each read: that swaps process-wide state (not
+# thread-safe), and the lock that made it safe made small requests on the event
+# loop wait behind a big image's header read in a worker thread.
+_QUIET_FILTERS = (  # (module, message) patterns; category UserWarning
+    (r"PIL\.\w+ImagePlugin", ""),
+    (r"PIL\.Image", "Possibly corrupt EXIF"),
+)
+_quiet_list: list[object] | None = None
 
 
-# catch_warnings swaps process-wide state; two threads interleaving it could leave
-# warnings off for good, so header reads that silence Pillow take turns.
-_QUIET = threading.Lock()
+def _quiet_plugins() -> None:
+    """Install the filters unless present; one identity check per call once done.
+
+    A ``catch_warnings()`` block restores the list it saved on exit, so filters
+    installed inside one (an import under pytest) vanish; they are put back here.
+    A filter the application put in front of them still wins.
+    """
+    global _quiet_list
+    if warnings.filters is _quiet_list:
+        return
+    present = {
+        (f[3].pattern, f[1].pattern if f[1] else "")
+        for f in warnings.filters
+        if f[0] == "ignore" and f[2] is UserWarning and f[3] is not None
+    }
+    for module, message in _QUIET_FILTERS:
+        if (module, message) not in present:
+            warnings.filterwarnings("ignore", message, UserWarning, module)
+    _quiet_list = warnings.filters
+
+
+_quiet_plugins()
 
 
 @contextlib.contextmanager
 def quiet_pillow() -> Iterator[None]:
-    """Silence Pillow's warnings about hostile headers ("Corrupt EXIF data") while reading one.
-
-    Hold it only for header work (microseconds): it serialises its holders.
-    """
-    with _QUIET, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+    """Kept for callers of the old name: the filters above now do this, without a lock."""
+    yield
 
 
 def open_image(data: bytes, fmt: str) -> ImageFile.ImageFile:
@@ -70,17 +95,14 @@ def open_image(data: bytes, fmt: str) -> ImageFile.ImageFile:
     plugin = PLUGINS.get(fmt)
     if plugin is None:
         raise KeyError(fmt)
+    _quiet_plugins()
     return plugin(io.BytesIO(data))
 
 
 def is_truncated(data: bytes, fmt: str) -> bool:
-    """Structural end-of-file checks: cheap, and they catch files cut in transfer."""
-    if fmt == "png":
-        return not data.rstrip(b"\x00").endswith(_PNG_IEND)
-    if fmt == "jpeg":
-        return data.rfind(_JPEG_EOI, max(0, len(data) - 1024)) < 0
-    if fmt == "gif":
-        return b";" not in data[-16:]
-    if fmt == "webp":
-        return len(data) < 12 or int.from_bytes(data[4:8], "little") + 8 > len(data)
+    """Whether the container structure is cut short or broken (``media.image_integrity``)."""
+    try:
+        check_structure(data, fmt, frame_limit=sys.maxsize)
+    except ImageIntegrityError:
+        return True
     return False

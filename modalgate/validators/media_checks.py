@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from modalgate.errors import ErrorCode, Violation
 from modalgate.media.data_url import Base64Error, decode_base64, decoded_size, parse_data_url
+from modalgate.media.decode import DecodeError, verify_image_data
 from modalgate.media.sniff import SNIFF_BYTES, mime_modality, sniff
 from modalgate.media.urls import url_refusal
 from modalgate.policy.matching import ResolvedRule
 from modalgate.policy.models import MediaUrls
-from modalgate.validators.image_probe import ImageProbeError, probe_image
+from modalgate.validators.image_probe import ImageFacts, ImageProbeError, probe_image
 from modalgate.validators.tokens import TokenEstimateError, estimate_tokens
 from modalgate.validators.verdict import MediaPart
 
@@ -125,8 +126,10 @@ def _image_violations(part: MediaPart, rule: ResolvedRule) -> list[Violation]:
                 f"{part.format.upper()} images are not accepted (accepted: {accepted})",
             )
         ]
+    # Frames are counted one past the limit and no further (a still: two at most).
+    frame_limit = limits.max_image_frames if limits.allow_animated else 1
     try:
-        facts = probe_image(part.data, part.format)
+        facts = probe_image(part.data, part.format, frame_limit, limits.max_image_pixels)
     except ImageProbeError as exc:
         return [_violation(ErrorCode.INVALID_IMAGE, part, str(exc))]
     part.width, part.height, part.frames = facts.width, facts.height, facts.frames
@@ -148,15 +151,33 @@ def _image_violations(part: MediaPart, rule: ResolvedRule) -> list[Violation]:
                 f"image is {size}; each side must be at least {limits.min_image_side} pixels",
             )
         ]
-    if facts.frames > 1 and not limits.allow_animated:
-        return [
-            _violation(
-                ErrorCode.ANIMATED_IMAGE,
-                part,
-                f"animated {part.format.upper()} with {facts.frames} frames; send a still image",
-            )
-        ]
-    return _token_violations(part, rule)
+    if facts.frames > frame_limit:
+        return [_frames_violation(part, facts, limits.allow_animated, frame_limit)]
+    violations = _token_violations(part, rule)
+    if violations or not limits.verify_image_data:
+        return violations
+    try:  # opt-in: a full decode, for the truncation no structural check can see
+        verify_image_data(part.data, part.format, facts.frames, limits.max_image_pixels)
+    except DecodeError as exc:
+        return [_violation(ErrorCode.INVALID_IMAGE, part, str(exc))]
+    return []
+
+
+def _frames_violation(part: MediaPart, facts: ImageFacts, animated: bool, limit: int) -> Violation:
+    """Say only what was counted: counting stops one frame past the limit."""
+    name = (part.format or "").upper()
+    counted = f"more than {limit}" if facts.frames_capped else str(facts.frames)
+    if not animated:
+        what = "more than one frame" if facts.frames_capped else f"{facts.frames} frames"
+        return _violation(
+            ErrorCode.ANIMATED_IMAGE, part, f"animated {name} with {what}; send a still image"
+        )
+    # Over the frame limit is a size limit, like bytes and pixels (the work grows with it).
+    return _violation(
+        ErrorCode.IMAGE_TOO_LARGE,
+        part,
+        f"animated {name} with {counted} frames; the limit is {limit} frames",
+    )
 
 
 def _token_violations(part: MediaPart, rule: ResolvedRule) -> list[Violation]:
