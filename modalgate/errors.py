@@ -40,6 +40,7 @@ class ErrorCode(str, Enum):
     UPSTREAM_UNAVAILABLE = "upstream_unavailable"
     UPSTREAM_TIMEOUT = "upstream_timeout"
     NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
 
     def __str__(self) -> str:
         return self.value
@@ -70,6 +71,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.UPSTREAM_UNAVAILABLE: 502,
     ErrorCode.UPSTREAM_TIMEOUT: 504,
     ErrorCode.NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
 }
 
 # OpenAI's `type` field: client mistakes vs. our side failing.

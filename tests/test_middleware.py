@@ -65,6 +65,7 @@ def starlette_app(**gate) -> Starlette:
             Route("/chat/completions", echo_digest, methods=["POST"]),
             Route("/v1/models", plain),
             Route("/v1/embeddings", echo_digest, methods=["POST"]),
+            Route("/v1/other", echo_digest, methods=["POST"]),
             WebSocketRoute("/ws", ws_echo),
         ],
         middleware=[Middleware(ModalGate, **gate)],
@@ -224,9 +225,13 @@ def test_other_methods_and_paths_pass_untouched(gated_url):
     # GET on a gated path is not inspected.
     assert httpx.get(gated_url + "/v1/chat/completions").json()["verdict"] is None
     # POST on a path that is not gated: not JSON, still reaches the app unread.
-    response = httpx.post(gated_url + "/v1/embeddings", content=b"not json")
+    response = httpx.post(gated_url + "/v1/other", content=b"not json")
     assert response.status_code == 200
     assert response.json()["length"] == len(b"not json")
+    # The engines' other doors (the policy's endpoints) are gated like the chat path.
+    response = httpx.post(gated_url + "/v1/embeddings", content=b"not json")
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_json"
 
 
 def test_websocket_and_lifespan_pass_through():

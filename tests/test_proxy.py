@@ -16,6 +16,7 @@ import orjson
 import pytest
 
 from conftest import chat, data_url, free_port, image_bytes, serve
+from modalgate.policy.models import DEFAULT_ENDPOINTS
 from gateway_proc import GatewayProcess, metric
 from toy_upstream import Behaviour, ToyUpstream
 
@@ -40,9 +41,15 @@ def toy(upstream) -> ToyUpstream:
 
 
 @pytest.fixture(scope="module")
-def gateway(upstream) -> Iterator[GatewayProcess]:
+def gateway(upstream, tmp_path_factory) -> Iterator[GatewayProcess]:
     _, base = upstream
-    with GatewayProcess("--upstream", base, "--upstream-read-timeout", "2") as process:
+    # The toy's /echo paths join the forwarded API surface; everything else stays default.
+    policy = tmp_path_factory.mktemp("policy") / "echo.json"
+    endpoints = {**DEFAULT_ENDPOINTS, "/echo/*": "forward"}
+    policy.write_bytes(orjson.dumps({"extends": "builtin", "endpoints": endpoints}))
+    with GatewayProcess(
+        "--upstream", base, "--upstream-read-timeout", "2", "--policy", str(policy)
+    ) as process:
         yield process
 
 
@@ -177,15 +184,25 @@ def test_upstream_sees_only_the_clients_headers_and_ours(gateway, toy):
     assert received.headers["x-forwarded-host"] == "gw.test"
 
 
-def test_raw_path_and_query_pass_unchanged(gateway, toy):
+def test_paths_are_forwarded_normalised_and_queries_unchanged(gateway, toy):
+    # The upstream reads the path the gate judged: dot segments resolved, %2F decoded.
     answer = raw_http(
         gateway,
-        b"GET /echo/a%2Fb/./c?x=%20&y=a+b HTTP/1.1\r\nHost: gw.test\r\nConnection: close\r\n\r\n",
+        b"GET /echo/a%2Fb/./c//d%20e?x=%20&y=a+b HTTP/1.1\r\nHost: gw.test\r\n"
+        b"Connection: close\r\n\r\n",
     )
     assert answer.startswith(b"HTTP/1.1 200 ")
     (received,) = toy.received
-    assert received.raw_path == b"/echo/a%2Fb/./c"
+    assert received.raw_path == b"/echo/a/b/c/d%20e"
     assert received.query == "x=%20&y=a+b"
+
+
+def test_paths_off_the_api_surface_are_not_forwarded(gateway, toy):
+    for method, where in [("POST", "/flush_cache"), ("POST", "/update_weights_from_disk")]:
+        response = httpx.request(method, gateway.url + where, json={})
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "not_found"
+    assert toy.received == []
 
 
 def test_chunked_request_body_is_forwarded_whole(gateway, toy):

@@ -90,7 +90,9 @@ class Gateway:
         self.proxying = self.upstreams.configured
         self.catalog = ModelCatalog(lambda: self.gate.matcher, self.upstreams)
         self.router = Router(routes=self._routes(), lifespan=self._lifespan)
-        self.router.default = Forwarder(self.upstreams, self.adapter_for)
+        self.router.default = Forwarder(
+            self.upstreams, self.adapter_for, lambda path: self.gate.endpoints.kind_of(path)
+        )
         self.gate = ModalGate(
             OwnPathsFirst(self.router),
             policy=policy,

@@ -18,7 +18,7 @@ from modalgate.errors import ErrorCode, Violation, error_json
 from modalgate.gateway.middleware import get_verdict, with_content_length
 from modalgate.gateway.responses import send_error, send_json
 from modalgate.gateway.routes import Upstreams
-from modalgate.policy.models import EmbedsSpec
+from modalgate.policy.models import EmbedsSpec, EndpointKind
 from modalgate.validators import Verdict
 from modalgate.validators.json_body import locate, location_of, rewrite_json_body
 
@@ -26,15 +26,27 @@ AdapterLookup = Callable[[str | None], EncoderAdapter | None]
 
 
 class Forwarder:
-    def __init__(self, upstreams: Upstreams, adapter_for: AdapterLookup) -> None:
+    def __init__(
+        self,
+        upstreams: Upstreams,
+        adapter_for: AdapterLookup,
+        endpoint_kind: Callable[[str], EndpointKind | None] = lambda _path: "forward",
+    ) -> None:
+        """``endpoint_kind``: the policy's API surface; a path off it is never forwarded."""
         self.upstreams = upstreams
         self.adapter_for = adapter_for
+        self.endpoint_kind = endpoint_kind
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.endpoint_kind(scope["path"]) is None:
+            await send_error(send, [_not_forwarded(scope)])
+            return
         verdict = get_verdict(scope) if scope["type"] == "http" else None
         route = self.upstreams.route_for(verdict.rule if verdict is not None else None)
         if route is None:
-            await send_error(send, [_no_route(scope, verdict)])
+            await send_error(
+                send, [_no_route(scope, verdict if self.upstreams.configured else None)]
+            )
             return
         embeds = verdict.rule.embeds if verdict is not None and verdict.rule is not None else None
         images = verdict is not None and any(p.modality == "image" for p in verdict.parts)
@@ -96,6 +108,13 @@ def _no_route(scope: Scope, verdict: Verdict | None) -> Violation:
     return Violation(
         ErrorCode.NOT_FOUND,
         f"no upstream serves {scope['path'][:100]!r} here (no default upstream)",
+    )
+
+
+def _not_forwarded(scope: Scope) -> Violation:
+    return Violation(
+        ErrorCode.NOT_FOUND,
+        f"{scope['path'][:100]!r} is not forwarded here (not in the policy's endpoints)",
     )
 
 

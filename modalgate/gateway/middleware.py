@@ -20,9 +20,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, payload_too_large
 from modalgate.gateway.outcome import GateOutcome, OutcomeObserver
+from modalgate.gateway.paths import with_normalized_path
 from modalgate.gateway.remote_media import MediaStage
 from modalgate.gateway.responses import send_error
 from modalgate.policy import Policy, RuleMatcher, load_policy
+from modalgate.policy.endpoints import EndpointTable
 from modalgate.validators import Verdict, validate_body, with_fallback
 from modalgate.validators.json_body import Location, rewrite_json_body
 from modalgate.validators.request import Api, ServedModel
@@ -60,6 +62,11 @@ class ModalGate:
         )
         self.paths = frozenset(p.rstrip("/") or "/" for p in paths)
         self.responses_paths = frozenset(p.rstrip("/") or "/" for p in responses_paths)
+        # The paths given here win; the policy's ``endpoints`` gate the engines' other doors.
+        self._given: dict[str, Api] = {
+            **dict.fromkeys(self.responses_paths, "responses"),
+            **dict.fromkeys(self.paths, "chat"),
+        }
         self.validation_threads = validation_threads
         self._limiter: anyio.CapacityLimiter | None = None
         self.set_policy(policy if isinstance(policy, Policy) else load_policy(policy), mode)
@@ -67,6 +74,7 @@ class ModalGate:
     def set_policy(self, policy: Policy, mode: str | None = None) -> None:
         """Swap the policy atomically: a request in flight keeps the matcher it started with."""
         self.matcher = RuleMatcher(policy, mode)
+        self.endpoints = EndpointTable(policy.endpoints)
         self.media = MediaStage(policy.media_urls)
         self.read_cap = max(
             [policy.limits.max_body_bytes]
@@ -89,19 +97,46 @@ class ModalGate:
         if scope["type"] == "lifespan":
             await self.app(scope, receive, self._closing_on_shutdown(send))
             return
-        if scope["type"] != "http" or scope["method"] != "POST":
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        where = scope["path"].rstrip("/") or "/"
-        if where in self.paths:
-            api: Api = "chat"
-        elif where in self.responses_paths:
-            api = "responses"
+        scope = with_normalized_path(scope)
+        api = self.api_of(scope["path"])
+        if api is None:
+            await self.app(scope, receive, send)
+        elif scope["method"] == "POST":
+            gated = _GatedRequest(self, self.matcher, self.media, self.read_cap, api)
+            await gated(scope, receive, send)
+        elif _has_body(scope):
+            # A body on another method would reach a server that reads it (SGLang takes
+            # PUT /generate) without being judged.
+            self._report_refusal(scope, _METHOD_NOT_ALLOWED)
+            await send_error(send, [_METHOD_NOT_ALLOWED], [(b"allow", b"POST")])
         else:
-            await self.app(scope, receive, send)
-            return
-        gated = _GatedRequest(self, self.matcher, self.media, self.read_cap, api)
-        await gated(scope, receive, send)
+            await self.app(scope, receive, send)  # GET, HEAD, OPTIONS (CORS preflight)
+
+    def api_of(self, path: str) -> Api | None:
+        """How a (normalised) path's body is read; None: not gated here."""
+        where = path.rstrip("/") or "/"
+        if where in self._given:
+            return self._given[where]
+        kind = self.endpoints.kind_of(where)
+        return None if kind is None or kind == "forward" else kind
+
+    def _report_refusal(self, scope: Scope, violation: Violation) -> None:
+        if self.on_outcome is not None:
+            self.on_outcome(
+                GateOutcome(
+                    accepted=False,
+                    violations=(violation,),
+                    model=None,
+                    mode=self.mode,
+                    rule=None,
+                    body_bytes=0,
+                    seconds=0.0,
+                    path=scope["path"],
+                )
+            )
 
     def _closing_on_shutdown(self, send: Send) -> Send:
         """Close the fetcher's connections when the app reports its shutdown done."""
@@ -249,6 +284,18 @@ def with_content_length(scope: Scope, length: int) -> list[tuple[bytes, bytes]]:
     headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-length"]
     headers.append((b"content-length", str(length).encode()))
     return headers
+
+
+_METHOD_NOT_ALLOWED = Violation(
+    ErrorCode.METHOD_NOT_ALLOWED, "this path takes its request body with POST only"
+)
+
+
+def _has_body(scope: Scope) -> bool:
+    for name, value in scope["headers"]:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
+            return True
+    return False
 
 
 _BODY_HEADERS = frozenset({b"content-type", b"content-encoding", b"content-length"})

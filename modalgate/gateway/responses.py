@@ -27,9 +27,13 @@ async def send_json(
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def send_error(send: Send, violations: Sequence[Violation]) -> None:
+async def send_error(
+    send: Send,
+    violations: Sequence[Violation],
+    headers: Sequence[tuple[bytes, bytes]] = (),
+) -> None:
     """The OpenAI envelope; always plain JSON, even for ``"stream": true`` requests."""
-    await send_json(send, status_of(violations), error_json(violations))
+    await send_json(send, status_of(violations), error_json(violations), headers)
 
 
 def json_bytes(value: object) -> bytes:

@@ -242,6 +242,31 @@ class ModelRule(_Strict):
         return self
 
 
+# How the gate reads a path's body; ``forward``: passed on without body checks.
+EndpointKind = Literal["chat", "responses", "completions", "messages", "generate", "forward"]
+# The API surface a proxying gateway forwards (docs/policy.md): OpenAI's paths, the
+# engines' tokenize/embeddings/health paths, SGLang's /generate. Admin and control
+# paths (weights, caches, profiling, LoRA loading, sleep) are not on it.
+DEFAULT_ENDPOINTS: dict[str, EndpointKind] = {
+    "/v1/chat/completions": "chat",
+    "/chat/completions": "chat",
+    "/v1/responses": "responses",
+    "/responses": "responses",
+    "/v1/responses/*": "forward",
+    "/v1/completions": "completions",
+    "/v1/embeddings": "messages",
+    "/tokenize": "messages",
+    "/v1/tokenize": "messages",
+    "/detokenize": "forward",
+    "/v1/detokenize": "forward",
+    "/generate": "generate",
+    "/health": "forward",
+    "/ping": "forward",
+    "/version": "forward",
+    "/get_model_info": "forward",
+}
+
+
 class Policy(_Strict):
     # "builtin": this file is applied on top of the built-in table (see loading).
     extends: Literal["builtin"] | None = None
@@ -254,7 +279,23 @@ class Policy(_Strict):
     media_roles: tuple[Role, ...] = ("user", "tool")
     media_urls: MediaUrls = MediaUrls()
     server: Server = Server()
+    # Paths the gateway forwards and how each body is judged; ``/prefix/*`` covers a subtree.
+    endpoints: dict[str, EndpointKind] = Field(default_factory=lambda: dict(DEFAULT_ENDPOINTS))
     models: tuple[ModelRule, ...] = ()
+
+    @field_validator("endpoints")
+    @classmethod
+    def _endpoint_paths(cls, endpoints: dict[str, EndpointKind]) -> dict[str, EndpointKind]:
+        for key in endpoints:
+            bare = key[:-2] if key.endswith("/*") else key
+            if not key.startswith("/") or "*" in bare or "//" in key or "/." in key:
+                raise PydanticCustomError(
+                    "endpoint_path",
+                    "endpoint '{path}' must be an absolute, normalised path, optionally ending"
+                    " in /*",
+                    {"path": key},
+                )
+        return endpoints
 
     @field_validator("models")
     @classmethod

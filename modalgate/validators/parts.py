@@ -174,7 +174,7 @@ def read_part(
         if not isinstance(url, str):
             problem = "must be a string" if isinstance(value, dict) else "must be an object"
             return _bad(f"{problem} (a URL or a data URL)", url_param)
-        return _with_url(media, url, url_param)
+        return with_url(media, url, url_param)
     if kind.shape == "input_image":
         detail = part.get("detail")
         if detail is not None and (not isinstance(detail, str) or detail not in IMAGE_DETAILS):
@@ -198,7 +198,7 @@ def read_part(
     if kind.shape == "input_file":
         url = part.get("file_url")
         if isinstance(url, str) and "file_data" not in part:
-            return _with_url(media, url, path(where, "file_url"))  # never inlined: not a URL slot
+            return with_url(media, url, path(where, "file_url"))  # never inlined: not a URL slot
         return _url_or_file_id(media, part, "file_data", where, bare_base64=True)
     # embeds: a base64 tensor, or a dict of them (vLLM); checked by the server that loads them.
     well_formed = isinstance(value, str) or (
@@ -216,14 +216,14 @@ def _url_or_file_id(
     url, file_id = holder.get(url_key), holder.get("file_id")
     if isinstance(url, str):
         media.inlinable = not bare_base64
-        return _with_url(media, url, path(where, url_key), bare_base64=bare_base64)
+        return with_url(media, url, path(where, url_key), bare_base64=bare_base64)
     if url is None and isinstance(file_id, str):
         media.source, media.payload_param = "file_id", path(where, "file_id")
         return media
     return _bad(f"must carry a string {url_key!r} or 'file_id'", path(where, url_key))
 
 
-def _with_url(
+def with_url(
     media: MediaPart, url: str, url_param: str, *, bare_base64: bool = False
 ) -> MediaPart:
     """A data URL, a remote URL, or (``file_data``) bare base64."""

@@ -21,6 +21,8 @@ from modalgate.errors import (
     payload_too_large,
 )
 from modalgate.policy.matching import ResolvedRule, RuleMatcher
+from modalgate.validators.admission import admit, invalid
+from modalgate.validators.endpoints import walk_completions, walk_generate, walk_pooling_input
 from modalgate.validators.json_body import parse_json_body
 from modalgate.validators.media_checks import (
     budget_violations,
@@ -29,7 +31,7 @@ from modalgate.validators.media_checks import (
     probe_violations,
 )
 from modalgate.validators.parts import part_type_of, read_part
-from modalgate.validators.verdict import MediaPart, Verdict
+from modalgate.validators.verdict import Verdict
 
 _NAMES = {
     "image": "images",
@@ -40,7 +42,15 @@ _NAMES = {
 }
 
 
-Api = Literal["chat", "responses"]
+# How a body is read: which paths carry which kind is policy (``endpoints``).
+Api = Literal["chat", "responses", "completions", "messages", "generate"]
+# OpenAI's APIs require a model; SGLang's /generate has no such field, tokenize makes it optional.
+_MODEL_REQUIRED = frozenset({"chat", "responses", "completions"})
+_OTHER_WALKS = {
+    "completions": walk_completions,
+    "messages": walk_pooling_input,
+    "generate": walk_generate,
+}
 # (the name a request is judged as, the rule it resolved to) -> the model that really
 # serves it, or None to judge it as named.
 ServedModel = Callable[[str, ResolvedRule], "str | None"]
@@ -114,23 +124,24 @@ def validate_request(
         body_bytes=body_size or 0,
     )
     if model is not None and not isinstance(model, str):
-        verdict.violations.append(_invalid("'model' must be a string", "model"))
+        verdict.violations.append(invalid("'model' must be a string", "model"))
         return verdict
-    judged = model or matcher.policy.default_model
-    if not judged:
-        verdict.violations.append(_invalid("'model' is required", "model"))
+    judged = model or matcher.policy.default_model or ""
+    if not judged and api in _MODEL_REQUIRED:
+        verdict.violations.append(invalid("'model' is required", "model"))
         return verdict
     rule = matcher.resolve(judged)
     if served is not None:
         serving = served(judged, rule)
         if serving is not None and serving.casefold() != judged.casefold():
             judged, rule = serving, matcher.resolve(serving)
-    if judged != model:
+    if judged and judged != model:
         verdict.judged_as = judged
     verdict.rule = rule
     if not rule.known and matcher.refuses_unknown:
+        shown = repr(judged[:100]) if judged else "(none given)"
         verdict.violations.append(
-            Violation(ErrorCode.UNKNOWN_MODEL, f"model: unknown model {judged[:100]!r}", "model")
+            Violation(ErrorCode.UNKNOWN_MODEL, f"model: unknown model {shown}", "model")
         )
         return verdict
     if body_size is not None and body_size > rule.limits.max_body_bytes:
@@ -138,13 +149,15 @@ def validate_request(
         return verdict
     if api == "responses":
         _walk_input(request.get("input"), rule, verdict)
-    else:
+    elif api == "chat" or request.get("messages") is not None:
         messages = request.get("messages")
         if not isinstance(messages, list) or not messages:
             problem = "is required" if messages is None else "must be a non-empty array"
-            verdict.violations.append(_invalid(f"'messages' {problem}", "messages"))
+            verdict.violations.append(invalid(f"'messages' {problem}", "messages"))
             return verdict
         _walk_messages(messages, rule, verdict)
+    if api in _OTHER_WALKS:
+        _OTHER_WALKS[api](request, rule, verdict)
     if verdict.violations or not verdict.parts:
         return verdict  # refused, or text only: nothing more to check
     _check_audio_in_video(request, rule, verdict)
@@ -200,18 +213,18 @@ def _walk_input(items: Any, rule: ResolvedRule, verdict: Verdict) -> None:
         return
     if not isinstance(items, list):
         problem = "is required" if items is None else "must be a string or an array of items"
-        verdict.violations.append(_invalid(f"'input' {problem}", "input"))
+        verdict.violations.append(invalid(f"'input' {problem}", "input"))
         return
     for i, item in enumerate(items):
         if len(verdict.violations) >= MAX_LISTED_VIOLATIONS:
             return
         where = path("input", i)
         if not isinstance(item, dict):
-            verdict.violations.append(_invalid("each input item must be an object", where))
+            verdict.violations.append(invalid("each input item must be an object", where))
             continue
         kind = item.get("type", "message")
         if not isinstance(kind, str):
-            verdict.violations.append(_invalid("'type' must be a string", path(where, "type")))
+            verdict.violations.append(invalid("'type' must be a string", path(where, "type")))
         elif kind == "message" or "role" in item:
             _walk_message(item, where, rule, verdict)
         elif kind in _OUTPUT_ITEMS:
@@ -223,7 +236,7 @@ def _walk_input(items: Any, rule: ResolvedRule, verdict: Verdict) -> None:
             _read_screenshot(item.get("output"), path(where, "output"), rule, verdict)
         elif kind not in _CONTENTLESS_ITEMS and _CONTENT_KEYS.intersection(item):
             verdict.violations.append(
-                _invalid(
+                invalid(
                     f"input items of type {kind[:40]!r} that carry content are not supported",
                     path(where, "type"),
                 )
@@ -233,11 +246,11 @@ def _walk_input(items: Any, rule: ResolvedRule, verdict: Verdict) -> None:
 def _read_screenshot(output: Any, where: str, rule: ResolvedRule, verdict: Verdict) -> None:
     """A computer-use screenshot: an image like any other, checked, fetched and screened."""
     if not isinstance(output, dict):
-        verdict.violations.append(_invalid("must be a computer_screenshot object", where))
+        verdict.violations.append(invalid("must be a computer_screenshot object", where))
         return
     if output.get("type") != "computer_screenshot":
         verdict.violations.append(
-            _invalid("'type' must be 'computer_screenshot'", path(where, "type"))
+            invalid("'type' must be 'computer_screenshot'", path(where, "type"))
         )
         return
     _read_part({**output, "type": "input_image"}, where, "tool", rule, verdict)
@@ -246,11 +259,11 @@ def _read_screenshot(output: Any, where: str, rule: ResolvedRule, verdict: Verdi
 def _walk_message(message: Any, where: str, rule: ResolvedRule, verdict: Verdict) -> None:
     violations = verdict.violations
     if not isinstance(message, dict):
-        violations.append(_invalid("each message must be an object", where))
+        violations.append(invalid("each message must be an object", where))
         return
     role = message.get("role")
     if not isinstance(role, str):
-        violations.append(_invalid("'role' must be a string", path(where, "role")))
+        violations.append(invalid("'role' must be a string", path(where, "role")))
         return
     for key in _REASONING_KEYS:
         reasoning = message.get(key)
@@ -258,24 +271,24 @@ def _walk_message(message: Any, where: str, rule: ResolvedRule, verdict: Verdict
             for j, part in enumerate(reasoning):
                 _read_part(part, path(where, key, j), role, rule, verdict)
         elif reasoning is not None and not isinstance(reasoning, str):
-            violations.append(_invalid(f"'{key}' must be a string", path(where, key)))
+            violations.append(invalid(f"'{key}' must be a string", path(where, key)))
     content = message.get("content")
     if isinstance(content, str):
         return
     if content is None:
         if role in ("user", "system", "developer"):
-            violations.append(_invalid("'content' is required", path(where, "content")))
+            violations.append(invalid("'content' is required", path(where, "content")))
         return
     if not isinstance(content, list):
         violations.append(
-            _invalid(
+            invalid(
                 "'content' must be a string or an array of content parts",
                 path(where, "content"),
             )
         )
         return
     if not content and role == "user":
-        violations.append(_invalid("'content' must not be an empty array", path(where, "content")))
+        violations.append(invalid("'content' must not be an empty array", path(where, "content")))
         return
     for j, part in enumerate(content):
         if _is_plain_text(part):
@@ -298,7 +311,7 @@ def _read_part(part: Any, where: str, role: str, rule: ResolvedRule, verdict: Ve
     if isinstance(part, str):
         return  # vLLM takes bare strings as text parts
     if not isinstance(part, dict):
-        verdict.violations.append(_invalid("each content part must be an object", where))
+        verdict.violations.append(invalid("each content part must be an object", where))
         return
     typed = part_type_of(part, where)
     if isinstance(typed, Violation):
@@ -312,35 +325,7 @@ def _read_part(part: Any, where: str, role: str, rule: ResolvedRule, verdict: Ve
         verdict.violations.append(read)
         return
     read.type_param = type_param
-    if read.modality not in rule.accepts:
-        verdict.unsupported.add(read.modality)
-        verdict.violations.append(_unsupported(read, rule, verdict))
-    elif role not in rule.media_roles:
-        allowed = ", ".join(sorted(rule.media_roles))
-        verdict.violations.append(
-            Violation(
-                ErrorCode.ROLE_NOT_ALLOWED,
-                f"{where}: {read.modality} input is not allowed in '{role[:40]}' messages "
-                f"(allowed in: {allowed})",
-                where,
-            )
-        )
-    else:
-        verdict.parts.append(read)
-
-
-def _unsupported(part: MediaPart, rule: ResolvedRule, verdict: Verdict) -> Violation:
-    param = part.type_param or part.param
-    if rule.message:
-        message = f"{param}: {rule.message} (got {part.modality} input)"
-    else:
-        mode = f" in {verdict.mode} mode" if verdict.mode else ""
-        accepts = ", ".join(sorted(rule.accepts)) or "text only"
-        message = (
-            f"{param}: {part.modality} input is not supported by "
-            f"{(verdict.model or '')[:100]}{mode} (accepts: {accepts})"
-        )
-    return Violation(ErrorCode.UNSUPPORTED_MODALITY, message, param)
+    admit(read, rule, verdict)
 
 
 def _check_audio_in_video(request: dict[str, Any], rule: ResolvedRule, verdict: Verdict) -> None:
@@ -397,7 +382,3 @@ def _check_counts(rule: ResolvedRule, verdict: Verdict) -> None:
                     part.param,
                 )
             )
-
-
-def _invalid(message: str, param: str) -> Violation:
-    return Violation(ErrorCode.INVALID_REQUEST, f"{param}: {message}", param)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import pybase64
 
@@ -89,7 +89,7 @@ class Verdict:
     # Set when a fallback sent this request to another model: the rule of the model the
     # client asked for (a policy name, safe for metric labels; ``model`` is the new one).
     routed_from: str | None = None
-    api: Literal["chat", "responses"] = "chat"  # which request shape was read
+    api: str = "chat"  # which request shape was read (validators.request.Api)
     # The model the request was judged as, when not the one it named: the policy's
     # default_model, or the model its upstream really serves.
     judged_as: str | None = None

@@ -1,0 +1,111 @@
+"""The other doors into the same engine: completions, pooling-style bodies, SGLang's /generate.
+
+A gate that checks only the chat path is bypassed through ``/tokenize`` or
+``/v1/embeddings`` (vLLM reads chat-style ``messages`` there), ``/v1/completions``
+(``prompt_embeds``) or SGLang's ``/generate`` (``image_data``, ``video_data``,
+``audio_data``, ``input_embeds``). Each body kind names where its media sit; each
+medium becomes a ``MediaPart`` and meets the same admission and content checks
+as a chat content part.
+
+SGLang reads a media string as a URL, a data URL, a file path on the server, or
+bare base64. File paths are never passed: a string that is not a URL is judged
+as base64 and refused if it is not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from modalgate.errors import path
+from modalgate.policy.matching import ResolvedRule
+from modalgate.validators.admission import admit, invalid
+from modalgate.validators.parts import with_url
+from modalgate.validators.verdict import MediaPart, Verdict
+
+_GENERATE_MEDIA = (("image_data", "image"), ("video_data", "video"), ("audio_data", "audio"))
+_URL_PREFIXES = ("http://", "https://", "data:", "file:")
+
+
+def walk_completions(request: dict[str, Any], rule: ResolvedRule, verdict: Verdict) -> None:
+    """``/v1/completions``: text or token prompts, and vLLM's ``prompt_embeds``."""
+    embeds = request.get("prompt_embeds")
+    if embeds is None:
+        return
+    items = embeds if isinstance(embeds, list) else [embeds]
+    for index, item in enumerate(items):
+        where = path("prompt_embeds", index) if isinstance(embeds, list) else "prompt_embeds"
+        if not isinstance(item, str):
+            verdict.violations.append(invalid("must be a base64 string", where))
+            continue
+        _embeddings(where, "prompt_embeds", rule, verdict)
+
+
+def walk_pooling_input(request: dict[str, Any], rule: ResolvedRule, verdict: Verdict) -> None:
+    """``input`` of embeddings and tokenize bodies: text or tokens, or SGLang's
+    ``{"text": ..., "image": ...}`` items (an image each)."""
+    items = request.get("input")
+    if not isinstance(items, list):
+        return
+    for index, item in enumerate(items):
+        if not isinstance(item, dict):
+            continue  # text or token ids
+        where = path("input", index)
+        image = item.get("image")
+        if image is None:
+            continue
+        if not isinstance(image, str):
+            problem = invalid("must be a URL or base64 string", path(where, "image"))
+            verdict.violations.append(problem)
+            continue
+        _media_string(image, path(where, "image"), "image", "input", rule, verdict)
+
+
+def walk_generate(request: dict[str, Any], rule: ResolvedRule, verdict: Verdict) -> None:
+    """SGLang's native ``/generate``: one item, a list, or a list per prompt, per field."""
+    for field, modality in _GENERATE_MEDIA:
+        value = request.get(field)
+        if value is None:
+            continue
+        for where, item in _flattened(value, field):
+            if isinstance(item, str):
+                _media_string(item, where, modality, field, rule, verdict)
+            elif item is not None:
+                verdict.violations.append(
+                    invalid(
+                        "only URL, data URL or base64 strings are accepted here (not "
+                        "precomputed or processor-output objects)",
+                        where,
+                    )
+                )
+    if request.get("input_embeds") is not None:
+        _embeddings("input_embeds", "input_embeds", rule, verdict)
+
+
+def _flattened(value: Any, field: str) -> list[tuple[str, Any]]:
+    if not isinstance(value, list):
+        return [(field, value)]
+    items: list[tuple[str, Any]] = []
+    for i, item in enumerate(value):
+        if isinstance(item, list):
+            items += [(path(field, i, j), inner) for j, inner in enumerate(item)]
+        else:
+            items.append((path(field, i), item))
+    return items
+
+
+def _media_string(
+    value: str, where: str, modality: str, field: str, rule: ResolvedRule, verdict: Verdict
+) -> None:
+    part = MediaPart(param=where, part_type=field, modality=modality, role="user", source="url")
+    part.type_param = where
+    is_url = value[:8].lower().startswith(_URL_PREFIXES)
+    part.inlinable = is_url  # a fetched URL becomes a data URL in the same place
+    admit(with_url(part, value, where, bare_base64=not is_url), rule, verdict)
+
+
+def _embeddings(where: str, field: str, rule: ResolvedRule, verdict: Verdict) -> None:
+    part = MediaPart(
+        param=where, part_type=field, modality="embeddings", role="user", source="embeds"
+    )
+    part.payload_param = part.type_param = where
+    admit(part, rule, verdict)
