@@ -104,12 +104,19 @@ def walk_jpeg(data: bytes, max_pixels: int | None = None) -> None:
         elif marker == 0xDA:
             if frame is None:
                 raise _corrupt("a scan before the frame header")
-            found = _SCAN_END.search(data, end)
-            if found is None:
+            ids = set(data[pos + 3 : end - 3 : 2])
+            if not (scanned or coverage) and ids == frame.components.keys():
+                # A sequential scan of every component: only its data and restart markers
+                # can come before EOI, so the data is not searched (it is most of the file).
+                scan_end = data.rfind(b"\xff\xd9", end)
+            else:
+                found = _SCAN_END.search(data, end)
+                scan_end = found.start() if found else -1
+            if scan_end < 0:
                 raise _truncated()
-            _jpeg_scan(data, frame, (pos + 2, end, found.start()), restart, coverage, max_pixels)
-            scanned.update(data[pos + 3 : end - 3 : 2])
-            pos = found.start()
+            _jpeg_scan(data, frame, (pos + 2, end, scan_end), restart, coverage, max_pixels)
+            scanned.update(ids)
+            pos = scan_end
             continue
         pos = end
     if frame is None or not scanned:
