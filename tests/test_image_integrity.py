@@ -293,3 +293,9 @@ def test_structure_errors_are_value_errors_with_safe_text():
         check_structure(PNGS["rgb"][:100], "png")
     with pytest.raises(DecodeError):
         verify_image_data(PNGS["rgb"][:100] + IEND, "png")
+
+
+def test_stray_bytes_between_gif_blocks_are_skipped_as_pillow_does():
+    whole = encode(noise(mode="P"), "GIF")
+    assert validate(whole[:-1] + b"\x00\x00;", "gif", VERIFY).accepted
+    assert_refused(validate(b"GIF89a" + b"\x00" * 20 + b";", "gif"))  # still no image

@@ -16,6 +16,7 @@ offers that as policy (``verify_image_data``).
 
 from __future__ import annotations
 
+import re
 import struct
 import zlib
 from dataclasses import dataclass
@@ -197,6 +198,9 @@ def _jpeg(data: bytes, frame_limit: int, max_pixels: int | None) -> Structure:
 # ---------------------------------------------------------------- GIF
 
 
+_GIF_BLOCK = re.compile(rb"[!,;]")
+
+
 def _colour_table(flags: int) -> int:
     return 3 << ((flags & 7) + 1) if flags & 0x80 else 0
 
@@ -232,8 +236,9 @@ def _gif(data: bytes, frame_limit: int, max_pixels: int | None) -> Structure:
             if pos + 10 > size:
                 raise _truncated("GIF")
             pos = _sub_blocks(data, pos + 11 + _colour_table(data[pos + 9]))
-        else:
-            raise _corrupt("GIF", "an unknown block")
+        else:  # a stray byte between blocks: Pillow (the decoder behind us) skips it too
+            found = _GIF_BLOCK.search(data, pos)
+            pos = found.start() if found else size
     if frames == 0:
         raise _corrupt("GIF", "no image")
     return Structure(frames)
