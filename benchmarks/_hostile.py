@@ -1358,17 +1358,30 @@ def upstream_findings(
     return [Finding("bypass_path", detail)]
 
 
-def policy_resolver(mode: str | None, policy: Any = None) -> tuple[Resolver, bool]:
-    """The gate's own policy, as ``upstream_findings`` wants it."""
+def policy_resolver(
+    mode: str | None, served: str | None = None, policy: Any = None
+) -> tuple[Resolver, bool]:
+    """The gate's own policy, as ``upstream_findings`` wants it.
+
+    ``served``: the one model the upstream serves. Such a server (SGLang, an encoder)
+    answers with it whatever name a request carries, so what reaches it is judged as
+    that model: a video must never reach a Kimi-K3 encoder, whichever name it came with.
+    """
     from modalgate.policy import RuleMatcher, load_policy
 
     matcher = RuleMatcher(policy if policy is not None else load_policy(), mode)
 
     def resolve(model: str) -> tuple[bool, frozenset[str]] | None:
-        rule = matcher.resolve(model)
+        rule = matcher.resolve(served or model)
         return rule.known, frozenset(rule.accepts)
 
     return resolve, bool(matcher.refuses_unknown)
+
+
+def models_list(served: str | None) -> bytes:
+    """``GET /v1/models`` of a recording upstream: its one model, or none listed."""
+    data = [{"id": served, "object": "model", "owned_by": "fuzz"}] if served else []
+    return orjson.dumps({"object": "list", "data": data})
 
 
 # ---------------------------------------------------------------- a recording upstream process
@@ -1431,12 +1444,13 @@ class RecordingUpstream:
     """A catch-all ASGI model server: answers every path, checks what it received.
 
     Run as its own process for the through-serve target (``python _hostile.py
-    upstream --port P --mode encoder``); ``GET /_fuzz/findings`` returns the
-    findings and the count of requests seen.
+    upstream --port P --mode encoder --served kimi-k3``); ``GET /_fuzz/findings``
+    returns the findings and the count of requests seen.
     """
 
-    def __init__(self, mode: str | None) -> None:
-        self.resolve, self.refuses_unknown = policy_resolver(mode)
+    def __init__(self, mode: str | None, served: str | None = None) -> None:
+        self.served = served
+        self.resolve, self.refuses_unknown = policy_resolver(mode, served)
         self.findings: list[dict[str, Any]] = []
         self.seen = 0
         self.lock = threading.Lock()
@@ -1462,6 +1476,9 @@ class RecordingUpstream:
                 break
         body = b"".join(chunks)
         headers = dict(scope["headers"])
+        if scope["path"] == "/v1/models" and scope["method"] == "GET":
+            await _send_simple(send, 200, models_list(self.served))
+            return
         if scope["path"] == "/_fuzz/findings":
             with self.lock:
                 payload = orjson.dumps({"seen": self.seen, "findings": self.findings})
@@ -1510,6 +1527,7 @@ def main() -> None:
     up = sub.add_parser("upstream")
     up.add_argument("--port", type=int, required=True)
     up.add_argument("--mode", default=None)
+    up.add_argument("--served", default=None, help="the one model this upstream serves")
     show = sub.add_parser("show", help="print request INDEX of SEED")
     show.add_argument("seed", type=int)
     show.add_argument("index", type=int)
@@ -1520,7 +1538,7 @@ def main() -> None:
     import uvicorn
 
     uvicorn.run(
-        RecordingUpstream(args.mode or None),
+        RecordingUpstream(args.mode or None, args.served or None),
         host="127.0.0.1",
         port=args.port,
         log_level="warning",

@@ -67,6 +67,7 @@ from _hostile import (  # the sibling module, found through the path above
     HostileRequest,
     check_answer,
     error_code,
+    models_list,
     policy_resolver,
     upstream_findings,
     upstream_reply,
@@ -90,6 +91,9 @@ INFORMATIONAL = ("ungated_media", "server_rejected", "body_changed")
 SAVED_PER_CLASS = 20
 DEFAULT_SAVE = Path(tempfile.gettempdir()) / "fuzz_findings"
 FAKE_UPSTREAM = "http://127.0.0.1:9"  # never dialled: the pool is replaced in process
+# The one model the recording upstreams serve (and list on /v1/models): a Kimi-K3
+# encoder, which must never see video or audio whatever name a request carries.
+DEFAULT_SERVED = "kimi-k3"
 
 
 # ---------------------------------------------------------------- tallies
@@ -106,6 +110,9 @@ class Tally:
     exceptions: Counter[str] = field(default_factory=Counter)  # type and place, for crashes
     samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     forwarded: int = 0
+    # Failures told apart by what went wrong and where, so 20 samples of the commonest
+    # kind cannot hide a rarer one.
+    signatures: Counter[str] = field(default_factory=Counter)
 
     def add(self, request: HostileRequest, answer: Answer) -> None:
         self.total += 1
@@ -128,6 +135,8 @@ class Tally:
     ) -> None:
         """One broken invariant; the request itself is counted by ``add``."""
         self.by_class[kind] += 1
+        if kind not in INFORMATIONAL:
+            self.signatures[_signature(kind, detail, request)] += 1
         if kind in ("unhandled", "logged_error"):
             self.exceptions[detail.split("\n", 1)[0][:160]] += 1
         bucket = self.samples.setdefault(kind, [])
@@ -143,6 +152,7 @@ class Tally:
             )
 
     def merge(self, other: Tally) -> None:
+        self.signatures.update(other.signatures)
         self.total += other.total
         self.forwarded += other.forwarded
         self.by_status.update(other.by_status)
@@ -156,6 +166,16 @@ class Tally:
     @property
     def failures(self) -> int:
         return sum(self.by_class[k] for k in FAILING)
+
+
+def _signature(kind: str, detail: str, request: HostileRequest) -> str:
+    """A failure's kind, first line without numbers and quoted input, and the method."""
+    line = detail.split("\n", 1)[0]
+    if kind in ("bypass", "bypass_path", "ungated_media"):
+        line = re.sub(r"model=.*? got", "got", line)
+    else:
+        line = re.sub(r"b?'[^']*'|\"[^\"]*\"", "...", line)
+    return f"{kind}: {request.method} " + re.sub(r"\d+", "N", line)[:160]
 
 
 # ---------------------------------------------------------------- the in-process upstream
@@ -189,8 +209,9 @@ class RecordingPool:
     with ``upstream_findings``, answers like a model server (SSE for streams), and fails
     on purpose when the request carries ``x-fuzz-fault``."""
 
-    def __init__(self, mode: str | None) -> None:
-        self.resolve, self.refuses_unknown = policy_resolver(mode)
+    def __init__(self, mode: str | None, served: str | None = None) -> None:
+        self.served = served
+        self.resolve, self.refuses_unknown = policy_resolver(mode, served)
         self.seen: dict[str, tuple[bytes, list[tuple[str, str]]]] = {}
 
     async def request(
@@ -230,9 +251,10 @@ class RecordingPool:
         return _Response(status, reply_headers, chunks, fault == "reset")
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        """Health probes and model lists: always healthy, serving the policy's models."""
-        payload = {"object": "list", "data": [{"id": "kimi-k3", "object": "model"}]}
-        return httpx.Response(200, json=payload, request=request)
+        """Health probes and model lists: always healthy, listing its one model if any."""
+        if request.url.path.endswith("/v1/models"):
+            return httpx.Response(200, content=models_list(self.served), request=request)
+        return httpx.Response(200, json={}, request=request)
 
     def release_slot(self) -> None:
         return None
@@ -349,10 +371,12 @@ class AsgiTarget:
         app_kind: str,
         timeout_s: float,
         wrap: Callable[[RecordingApp], Any] | None = None,
+        served: str | None = DEFAULT_SERVED,
     ) -> None:
         self.mode = mode
         self.timeout_s = timeout_s
-        self.pool = RecordingPool(mode)
+        self.served = served
+        self.pool = RecordingPool(mode, served)
         self.errors = LoggedErrors()
         self._undo_logging = _capture_logging(self.errors)
         if wrap is not None:  # any gate around the recording app (the harness's self-test)
@@ -360,7 +384,9 @@ class AsgiTarget:
         elif app_kind == "middleware":
             from modalgate import ModalGate
 
-            self.app = ModalGate(RecordingApp(self.pool), policy=None, mode=mode)
+            self.app = ModalGate(
+                RecordingApp(self.pool), policy=None, mode=mode, served_model=served
+            )
         else:
             from modalgate.gateway.app import create_app
             from modalgate.gateway.settings import GatewaySettings
@@ -382,7 +408,9 @@ class AsgiTarget:
             for target in targets.values():
                 target.proxy.transport = self.pool
             self.app = gateway
+            self._targets = list(targets.values())
         self._lifespan: asyncio.Task[None] | None = None
+        self._targets: list[Any] = getattr(self, "_targets", [])
         self._lifespan_queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._lifespan_sent: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
 
@@ -395,6 +423,12 @@ class AsgiTarget:
         message = await asyncio.wait_for(self._lifespan_sent.get(), 30)
         if message["type"] != "lifespan.startup.complete":
             raise RuntimeError(f"the app did not start: {message}")
+        # The gateway reads what its upstream serves in the background: wait for it, so
+        # the first requests are judged as the later ones are.
+        for _ in range(100):
+            if not self.served or all(getattr(t, "served", True) for t in self._targets):
+                break
+            await asyncio.sleep(0.02)
 
     async def stop(self) -> None:
         try:
@@ -531,9 +565,10 @@ async def run_asgi(
     concurrency: int,
     progress: Callable[[Tally], None] | None = None,
     wrap: Callable[[RecordingApp], Any] | None = None,
+    served: str | None = DEFAULT_SERVED,
 ) -> Tally:
     """Requests ``start, start+step, ... < stop`` of ``seed`` through one in-process app."""
-    target = AsgiTarget(mode, app_kind, timeout_s, wrap)
+    target = AsgiTarget(mode, app_kind, timeout_s, wrap, served)
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(
         lambda _loop, context: target.errors.by_request.setdefault(None, []).append(
@@ -568,7 +603,9 @@ async def run_asgi(
 
 def _asgi_worker(args: tuple[Any, ...]) -> Tally:
     """One process of the asgi target (multiprocessing's entry point)."""
-    seed, start, stop, step, mode, app_kind, timeout_s, deadline, concurrency, verbose = args
+    seed, start, stop, step, mode, app_kind, timeout_s, deadline, concurrency, verbose, served = (
+        args
+    )
     _use_uvloop()
 
     def progress(tally: Tally) -> None:
@@ -581,7 +618,17 @@ def _asgi_worker(args: tuple[Any, ...]) -> Tally:
 
     return asyncio.run(
         run_asgi(
-            seed, start, stop, step, mode, app_kind, timeout_s, deadline, concurrency, progress
+            seed,
+            start,
+            stop,
+            step,
+            mode,
+            app_kind,
+            timeout_s,
+            deadline,
+            concurrency,
+            progress,
+            served=served,
         )
     )
 
@@ -604,11 +651,24 @@ def fuzz_asgi(
     max_seconds: float | None = None,
     concurrency: int = 8,
     verbose: bool = False,
+    served: str | None = DEFAULT_SERVED,
 ) -> Tally:
     """Run ``requests`` requests of ``seed`` in-process, split over ``workers`` processes."""
     deadline = time.monotonic() + (max_seconds or 1e12)
     jobs = [
-        (seed, index, requests, workers, mode, app_kind, timeout_s, deadline, concurrency, verbose)
+        (
+            seed,
+            index,
+            requests,
+            workers,
+            mode,
+            app_kind,
+            timeout_s,
+            deadline,
+            concurrency,
+            verbose,
+            served,
+        )
         for index in range(workers)
     ]
     tally = Tally()
@@ -649,6 +709,7 @@ class ServeStack:
 
     mode: str | None
     upstream_command: list[str] | None = None  # gets --port P appended
+    served: str | None = DEFAULT_SERVED  # the recording upstream's one model
     gateway_args: list[str] = field(default_factory=list)
     upstream_ready_path: str = "/_fuzz/findings"
     log_path: Path = field(default_factory=lambda: Path(tempfile.mktemp(suffix=".log")))
@@ -663,6 +724,8 @@ class ServeStack:
             "upstream",
             "--mode",
             self.mode or "",
+            "--served",
+            self.served or "",
         ]
         command = [*command, "--port", str(self.upstream_port)]
         self.upstream = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -691,6 +754,8 @@ class ServeStack:
                 f"http://127.0.0.1:{self.upstream_port}{self.upstream_ready_path}", self.upstream
             )
             wait_http(f"http://127.0.0.1:{self.port}/healthz", self.gateway)
+            # The gateway learns what its upstream serves from this list: read it first.
+            httpx.get(f"http://127.0.0.1:{self.port}/v1/models", timeout=10)
         except BaseException:
             self.__exit__()
             raise
@@ -900,9 +965,10 @@ def fuzz_serve(
     timeout_s: float,
     max_seconds: float | None,
     verbose: bool,
+    served: str | None = DEFAULT_SERVED,
 ) -> Tally:
     deadline = time.monotonic() + (max_seconds or 1e12)
-    with ServeStack(mode) as stack:
+    with ServeStack(mode, served=served) as stack:
         tally = asyncio.run(
             fuzz_serve_async(stack, requests, seed, concurrency, timeout_s, deadline, verbose)
         )
@@ -929,11 +995,16 @@ def _request_of(generator: Generator, request_id: str | None) -> HostileRequest:
 # ---------------------------------------------------------------- minimising and saving
 
 
-def replay(request: HostileRequest, mode: str | None, app_kind: str = "gateway") -> Answer:
-    """One request through a fresh in-process app (for minimising and ``--replay``)."""
+def replay(
+    request: HostileRequest,
+    mode: str | None,
+    app_kind: str = "gateway",
+    served: str | None = DEFAULT_SERVED,
+) -> Answer:
+    """One request through a fresh in-process app (for ``--replay``)."""
 
     async def once() -> Answer:
-        target = AsgiTarget(mode, app_kind, 10.0)
+        target = AsgiTarget(mode, app_kind, 10.0, served=served)
         await target.start()
         try:
             return await target.call(request)
@@ -947,15 +1018,17 @@ class Minimiser:
     """Shrinks a failing request while the same class of failure (the same exception type
     for crashes) still happens: headers, path and chunking first, then the JSON body."""
 
-    def __init__(self, mode: str | None, app_kind: str, budget: int = 400) -> None:
+    def __init__(
+        self, mode: str | None, app_kind: str, served: str | None, budget: int = 400
+    ) -> None:
         self.mode = mode
         self.budget = budget
         self.loop = asyncio.new_event_loop()
-        self.target = self.loop.run_until_complete(self._target(mode, app_kind))
+        self.target = self.loop.run_until_complete(self._target(mode, app_kind, served))
 
     @staticmethod
-    async def _target(mode: str | None, app_kind: str) -> AsgiTarget:
-        target = AsgiTarget(mode, app_kind, 10.0)
+    async def _target(mode: str | None, app_kind: str, served: str | None) -> AsgiTarget:
+        target = AsgiTarget(mode, app_kind, 10.0, served=served)
         await target.start()
         return target
 
@@ -1094,12 +1167,17 @@ def _smaller_trees(tree: Any) -> Any:
 
 
 def save_samples(
-    tally: Tally, folder: Path, mode: str | None, app_kind: str, minimise: bool
+    tally: Tally,
+    folder: Path,
+    mode: str | None,
+    app_kind: str,
+    minimise: bool,
+    served: str | None = DEFAULT_SERVED,
 ) -> None:
     """The first failing inputs of each class, one JSON file each, minimised when they
     reproduce in process."""
     folder.mkdir(parents=True, exist_ok=True)
-    minimiser = Minimiser(mode, app_kind) if minimise else None
+    minimiser = Minimiser(mode, app_kind, served) if minimise else None
     try:
         for kind, samples in tally.samples.items():
             where = folder / kind
@@ -1126,6 +1204,7 @@ def report_of(tally: Tally, wall_s: float, args: argparse.Namespace) -> dict[str
         "target": args.target,
         "app": args.app,
         "mode": args.mode,
+        "served": args.served,
         "seed": args.seed,
         "total": tally.total,
         "forwarded": tally.forwarded,
@@ -1139,6 +1218,7 @@ def report_of(tally: Tally, wall_s: float, args: argparse.Namespace) -> dict[str
         "envelope_violations": tally.by_class["envelope"],
         "bypasses": tally.by_class["bypass"] + tally.by_class["bypass_path"],
         "exception_kinds": dict(tally.exceptions.most_common(50)),
+        "failure_signatures": dict(tally.signatures.most_common(60)),
         "wall_s": round(wall_s, 2),
         "requests_per_s": round(tally.total / wall_s, 1) if wall_s else None,
     }
@@ -1167,6 +1247,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="processes (asgi)")
     parser.add_argument("--concurrency", type=int, default=None, help="default 8 asgi, 16 serve")
     parser.add_argument("--mode", default="encoder", help="'' for no mode (full models)")
+    parser.add_argument(
+        "--served",
+        default=DEFAULT_SERVED,
+        help="the one model the recording upstream serves and lists ('' for none: the gate "
+        "judges by name, and so does the bypass check)",
+    )
     parser.add_argument("--timeout", type=float, default=10.0, help="per request, seconds")
     parser.add_argument("--max-seconds", type=float, default=None, help="stop early")
     parser.add_argument("--report", type=Path, help="write the counts as JSON here")
@@ -1176,10 +1262,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     mode = args.mode or None
+    served = args.served or None
     if args.replay is not None:
         saved = json.loads(args.replay.read_text())
         request = HostileRequest.from_json(saved.get("minimal") or saved.get("request") or saved)
-        answer = replay(request, mode, args.app)
+        answer = replay(request, mode, args.app, served)
         print(json.dumps({"status": answer.status, "problems": answer.problems}, indent=1))
         print(answer.body[:2000].decode("utf-8", "replace"))
         return 1 if any(k in FAILING for k, _ in answer.problems) else 0
@@ -1196,6 +1283,7 @@ def main(argv: list[str] | None = None) -> int:
             args.max_seconds,
             args.concurrency or 8,
             args.verbose,
+            served,
         )
     else:
         requests = args.requests if args.requests is not None else 20_000
@@ -1207,12 +1295,13 @@ def main(argv: list[str] | None = None) -> int:
             args.timeout,
             args.max_seconds,
             args.verbose,
+            served,
         )
     wall = time.monotonic() - started
     report = report_of(tally, wall, args)
     print_summary(report, tally)
     if tally.samples:
-        save_samples(tally, args.save, mode, args.app, minimise=not args.no_minimise)
+        save_samples(tally, args.save, mode, args.app, not args.no_minimise, served)
         print(f"failing inputs: {args.save}/<class>/<n>.json")
     if args.report is not None:
         args.report.write_text(json.dumps(report, indent=1))

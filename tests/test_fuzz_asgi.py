@@ -58,11 +58,14 @@ def _run(
     app_kind: str,
     seed: int = SEED,
     wrap: Any = None,
+    served: str | None = fuzz_long.DEFAULT_SERVED,
 ) -> fuzz_long.Tally:
     import asyncio
 
     return asyncio.run(
-        fuzz_long.run_asgi(seed, 0, requests, 1, mode, app_kind, 10.0, _deadline(), 8, None, wrap)
+        fuzz_long.run_asgi(
+            seed, 0, requests, 1, mode, app_kind, 10.0, _deadline(), 8, None, wrap, served
+        )
     )
 
 
@@ -73,17 +76,20 @@ def _deadline() -> float:
 
 
 def test_gateway_in_process_holds_every_invariant():
+    # In front of a Kimi-K3 encoder that lists itself: whatever name a request carries,
+    # no video or audio may reach it.
     tally = _run(REQUESTS, "encoder", "gateway")
     assert tally.total == REQUESTS
     # The mix reaches every stage: refusals of many kinds, and requests forwarded.
-    assert tally.forwarded > REQUESTS // 10
+    assert tally.forwarded > REQUESTS // 20
     assert len([c for c in tally.by_code if not c.startswith("(")]) >= 8, tally.by_code
     if tally.failures:
         pytest.fail(_failures(tally), pytrace=False)
 
 
 def test_middleware_alone_in_full_mode_holds_every_invariant():
-    tally = _run(REQUESTS // 2, None, "middleware", seed=SEED + 1)
+    # No served model: requests are judged by their names, and so is what arrives.
+    tally = _run(REQUESTS // 2, None, "middleware", seed=SEED + 1, served=None)
     assert tally.total == REQUESTS // 2
     if tally.failures:
         pytest.fail(_failures(tally), pytrace=False)
