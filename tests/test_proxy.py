@@ -16,8 +16,8 @@ import orjson
 import pytest
 
 from conftest import chat, data_url, free_port, image_bytes, serve
-from modalgate.policy.models import DEFAULT_ENDPOINTS
 from gateway_proc import GatewayProcess, metric
+from modalgate.policy.models import DEFAULT_ENDPOINTS
 from toy_upstream import Behaviour, ToyUpstream
 
 HOP_BY_HOP_SENT = {"te": "trailers", "keep-alive": "timeout=5", "x-drop-me": "1"}

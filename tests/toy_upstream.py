@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,15 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+# Paths where vLLM and SGLang take messages or media besides chat, and an admin one.
+OTHER_DOORS = (
+    "/v1/completions",
+    "/v1/embeddings",
+    "/tokenize",
+    "/generate",
+    "/flush_cache",
+)
 
 
 @dataclass
@@ -32,7 +42,8 @@ class Received:
     raw_path: bytes = b""
 
     def json(self) -> Any:
-        return orjson.loads(self.body)
+        # Python's json, as the engines read bodies: it takes 1e400 and 2**70 as they are.
+        return json.loads(self.body)
 
 
 @dataclass
@@ -63,6 +74,11 @@ class ToyUpstream:
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/echo/{rest:path}", self._echo, methods=["GET", "POST", "PUT", "DELETE"]),
+                # The engines' other doors: recorded and answered, whatever the body.
+                *(
+                    Route(door, self._other_door, methods=["POST", "PUT"])
+                    for door in OTHER_DOORS
+                ),
                 # For tests driving this server as its own process: what it received.
                 Route("/_received", self._received, methods=["GET", "DELETE"]),
             ]
@@ -112,6 +128,10 @@ class ToyUpstream:
             _completion(model, f"{self.name} saw {len(received.body)} bytes"),
             headers={"x-upstream-own": "kept"},
         )
+
+    async def _other_door(self, request: Request) -> Response:
+        received = await self._record(request)
+        return JSONResponse({"object": "toy.other", "path": received.path})
 
     async def _responses(self, request: Request) -> Response:
         received = await self._record(request)

@@ -47,7 +47,7 @@ from modalgate.gateway.request_id import RequestId
 from modalgate.gateway.responses import json_bytes
 from modalgate.gateway.routes import Upstreams
 from modalgate.gateway.settings import GatewaySettings, load_settings, policy_location
-from modalgate.policy import Policy, RuleMatcher, load_policy
+from modalgate.policy import Policy, ResolvedRule, RuleMatcher, load_policy
 
 VALIDATE_PATH = "/v1/validate"
 VALIDATE_RESPONSES_PATH = "/v1/validate/responses"  # a Responses API body's verdict
@@ -100,6 +100,7 @@ class Gateway:
             paths=[VALIDATE_PATH, *DEFAULT_PATHS, *([ENCODE_PATH] if self.adapters else [])],
             on_outcome=self._observe,
             responses_paths=[VALIDATE_RESPONSES_PATH, *DEFAULT_RESPONSES_PATHS],
+            served_model=self.served_model,
         )
         self.reloader = (
             PolicyReloader(
@@ -160,6 +161,28 @@ class Gateway:
         if self._group is not None:
             for resource in retired:
                 self._group.start_soon(_close_later, resource)
+            self._group.start_soon(self.catalog.refresh)
+
+    def served_model(self, name: str, rule: ResolvedRule) -> str | None:
+        """The model that really answers a request judged as ``name``, if not that one.
+
+        An upstream serving one model answers with it whatever the name (SGLang
+        ignores names; vLLM refuses unknown ones, or serves its default when none is
+        given), so the request is judged as that model: configured for the default
+        upstream (``--served-model``), else the one model its ``/v1/models`` listed
+        that the policy knows (an id the policy does not know says nothing more than
+        the name the client sent).
+        """
+        route = self.upstreams.route_for(rule)
+        if route is None:
+            return None
+        if route is self.upstreams.default and self.settings.served_model:
+            return self.settings.served_model
+        listed = {model for target, _ in route.targets for model in target.served}
+        if any(model.casefold() == name.casefold() for model in listed):
+            return None
+        known = {m.casefold(): m for m in listed if self.gate.matcher.resolve(m).known}
+        return next(iter(known.values())) if len(known) == 1 else None
 
     def _observe(self, outcome: GateOutcome) -> None:
         self.metrics.observe_outcome(outcome)
@@ -200,6 +223,7 @@ class Gateway:
                     group.start_soon(self.reloader.run, self.settings.watch_policy)
                 if self.upstreams.configured:
                     group.start_soon(self.upstreams.watch, self.settings.upstream_health_interval_s)
+                    group.start_soon(self.catalog.refresh)
                 try:
                     yield
                 finally:

@@ -82,8 +82,14 @@ class ModelCatalog:
             return None
         return {**model, **capabilities(rule, self.matcher.mode)}
 
-    async def _upstream_models(self) -> list[dict[str, Any]]:
-        targets = [t for t in self.upstreams.targets.values() if t.healthy]
+    async def refresh(self) -> None:
+        """Read every upstream's model list now (at start and after a reload), so the
+        gate knows which model each one serves before the first request."""
+        self._reported.clear()
+        await self._upstream_models(all_targets=True)
+
+    async def _upstream_models(self, all_targets: bool = False) -> list[dict[str, Any]]:
+        targets = [t for t in self.upstreams.targets.values() if t.healthy or all_targets]
         found: list[list[dict[str, Any]]] = [[] for _ in targets]
 
         async def one(index: int, target: Target) -> None:
@@ -105,6 +111,8 @@ class ModelCatalog:
             data = None  # an upstream without a model list: the policy speaks for it
         models = [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
         self._reported[target.url] = (time.monotonic(), models)
+        if data is not None:
+            target.served = tuple(m["id"] for m in models if isinstance(m.get("id"), str))
         return models
 
     async def list_endpoint(self, request: Request) -> Response:

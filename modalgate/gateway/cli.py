@@ -43,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     _policy_args(serve)
     serve.add_argument("--upstream", metavar="URL", help="the model server to forward to")
+    serve.add_argument(
+        "--served-model",
+        metavar="NAME",
+        help="the model the upstream serves: requests are judged as it, whatever name they"
+        " carry (default: the one policy-known model its /v1/models lists)",
+    )
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument(
@@ -144,6 +150,7 @@ _SERVE_FLAGS = (
     "policy",
     "mode",
     "upstream",
+    "served_model",
     "encoder",
     "host",
     "port",

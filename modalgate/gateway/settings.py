@@ -22,6 +22,7 @@ class GatewaySettings(BaseSettings):
     policy: str | None = None
     mode: str | None = None
     upstream: str | None = None
+    served_model: str | None = None  # what the default upstream serves, whatever the name
     encoder: str | None = None
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)

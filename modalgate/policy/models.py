@@ -129,6 +129,7 @@ class Server(_Strict):
     ``MODALGATE_*`` variables (see docs/deploy.md). Read at start, not on reload."""
 
     upstream: str | None = None
+    served_model: str | None = Field(None, min_length=1)
     upstream_connect_timeout_s: float | None = Field(None, gt=0)
     upstream_read_timeout_s: float | None = Field(None, gt=0)
     upstream_write_timeout_s: float | None = Field(None, gt=0)
