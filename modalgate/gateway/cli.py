@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import get_args
 
 import orjson
 
 from modalgate.errors import error_body
 from modalgate.policy import Policy, PolicyError, RuleMatcher, load_policy, policy_json_schema
 from modalgate.validators import Verdict, validate_body
+from modalgate.validators.request import Api
 
 EXIT_OK, EXIT_REJECTED, EXIT_USAGE = 0, 1, 2
 
@@ -113,9 +115,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     validate.add_argument(
         "--api",
-        choices=("chat", "responses"),
+        choices=get_args(Api),
         default="chat",
-        help="the request's shape: Chat Completions (messages, the default) or Responses (input)",
+        help="the request's shape: Chat Completions (messages, the default), Responses (input),"
+        " or one of the other kinds of the policy's endpoints (docs/policy.md)",
     )
     _policy_args(validate)
     validate.set_defaults(run=_validate)
