@@ -1220,11 +1220,16 @@ def _url_of(value: Any) -> str | None:
     return None
 
 
-def _plausible(value: Any) -> bool:
+def _plausible(key: str, value: Any) -> bool:
     """A payload a server would try to load (a malformed one it refuses on its own)."""
     if isinstance(value, str):
-        return bool(value)
-    return isinstance(value, dict) and any(isinstance(v, str) and v for v in value.values())
+        return bool(value) and key not in ("file", "input_audio")
+    if not isinstance(value, dict):
+        return False
+    wanted = {"file": ("file_data", "file_id"), "input_audio": ("data",)}.get(key, ("url",))
+    if key.endswith("_embeds"):
+        return any(isinstance(v, str) and v for v in value.values())
+    return any(isinstance(value.get(name), str) and value[name] for name in wanted)
 
 
 _PAYLOAD_KEYS = {
@@ -1244,10 +1249,10 @@ def part_modalities(part: Any) -> set[str]:
     declared = part.get("type")
     if isinstance(declared, str) and declared in MEDIA_MODALITY:
         keys = _PAYLOAD_KEYS.get(declared, (declared,))
-        if "uuid" in part or any(_plausible(part.get(key)) for key in keys):
+        if "uuid" in part or any(_plausible(key, part.get(key)) for key in keys):
             found.add(MEDIA_MODALITY[declared])
     for key, modality in MEDIA_MODALITY.items():
-        if key not in _PAYLOAD_KEYS and _plausible(part.get(key)):
+        if key not in _PAYLOAD_KEYS and _plausible(key, part.get(key)):
             found.add(modality)
     if "image" in found:
         for value in (part.get("image_url"), part.get("image_pil")):
