@@ -511,3 +511,11 @@ def test_a_body_with_a_byte_order_mark_is_accepted_and_forwarded_as_sent(gateway
     assert post(gateway, "/v1/chat/completions", raw).status_code == 200
     (received,) = upstream.received
     assert received.body == raw
+
+
+def test_the_gateways_own_paths_answer_a_wrong_method_with_the_envelope(gateway, upstream):
+    response = post(gateway, "/v1/models/kimi-k3", chat(model="stills"))
+    error = refused(response, 405, "method_not_allowed", None)
+    assert error["message"] == "/v1/models/kimi-k3 answers GET, HEAD only"
+    assert response.headers["allow"] == "GET, HEAD"
+    assert posted(upstream) == []

@@ -27,6 +27,7 @@ from starlette.routing import Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modalgate.encoder_adapter import EncoderAdapter, create_encoder
+from modalgate.errors import ErrorCode, Violation
 from modalgate.gateway.catalog import ModelCatalog
 from modalgate.gateway.embeds import unserved_embeds
 from modalgate.gateway.encode import ENCODE_PATH, encode_endpoint
@@ -44,7 +45,7 @@ from modalgate.gateway.outcome import GateOutcome
 from modalgate.gateway.proxy import UpstreamSettings
 from modalgate.gateway.reload import PolicyReloader
 from modalgate.gateway.request_id import RequestId
-from modalgate.gateway.responses import json_bytes
+from modalgate.gateway.responses import json_bytes, send_error
 from modalgate.gateway.routes import Upstreams
 from modalgate.gateway.settings import GatewaySettings, load_settings, policy_location
 from modalgate.policy import Policy, ResolvedRule, RuleMatcher, load_policy
@@ -190,20 +191,22 @@ class Gateway:
 
     def _routes(self) -> list[Route]:
         routes = [
-            Route("/healthz", _healthz, methods=["GET", "HEAD"]),
-            Route("/readyz", self.readiness.endpoint, methods=["GET", "HEAD"]),
-            Route(self.settings.metrics_path, metrics_endpoint(self.metrics), methods=["GET"]),
-            Route(VALIDATE_PATH, _verdict, methods=["POST"]),
-            Route(VALIDATE_RESPONSES_PATH, _verdict, methods=["POST"]),
-            Route(MODELS_PATH, self.catalog.list_endpoint, methods=["GET"]),
-            Route(MODELS_PATH + "/{model_id:path}", self.catalog.model_endpoint, methods=["GET"]),
+            OwnRoute("/healthz", _healthz, methods=["GET", "HEAD"]),
+            OwnRoute("/readyz", self.readiness.endpoint, methods=["GET", "HEAD"]),
+            OwnRoute(self.settings.metrics_path, metrics_endpoint(self.metrics), methods=["GET"]),
+            OwnRoute(VALIDATE_PATH, _verdict, methods=["POST"]),
+            OwnRoute(VALIDATE_RESPONSES_PATH, _verdict, methods=["POST"]),
+            OwnRoute(MODELS_PATH, self.catalog.list_endpoint, methods=["GET"]),
+            OwnRoute(
+                MODELS_PATH + "/{model_id:path}", self.catalog.model_endpoint, methods=["GET"]
+            ),
         ]
         if not self.proxying:
             gated = (*DEFAULT_PATHS, *DEFAULT_RESPONSES_PATHS)
-            routes += [Route(p, _verdict, methods=["POST"]) for p in gated]
+            routes += [OwnRoute(p, _verdict, methods=["POST"]) for p in gated]
         if self.adapters:
             routes.append(
-                Route(
+                OwnRoute(
                     ENCODE_PATH,
                     encode_endpoint(self.default_encoder, self.adapters_by_spec),
                     methods=["POST"],
@@ -233,6 +236,21 @@ class Gateway:
             await self.upstreams.aclose()
             for adapter in self.adapters:
                 await adapter.close()
+
+
+class OwnRoute(Route):
+    """A route of the gateway's own whose wrong-method answer is the error envelope, like
+    every other answer of the gateway's (Starlette's is plain text)."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.methods and scope["method"] not in self.methods:
+            allowed = ", ".join(sorted(self.methods))
+            violation = Violation(
+                ErrorCode.METHOD_NOT_ALLOWED, f"{scope['path'][:100]} answers {allowed} only"
+            )
+            await send_error(send, [violation], [(b"allow", allowed.encode())])
+            return
+        await super().handle(scope, receive, send)
 
 
 class OwnPathsFirst:
