@@ -25,6 +25,7 @@ SCRIPTS = (
     "m1_fetch_overhead.py",
     "m2_decode_throughput.py",
     "p6_proxy_overhead.py",
+    "p8_image_checks.py",
 )
 
 
