@@ -566,6 +566,11 @@ class Generator:
                     "output": {"type": "computer_screenshot", "image_url": url},
                 }
             )
+        if rng.random() < 0.1:
+            # A content part where an item goes: servers differ on what they make of it.
+            part = self._part(rng)
+            item = part if isinstance(part, dict) else {"type": "input_text", "text": part}
+            items = [*items, item] if rng.random() < 0.5 else [item]
         if rng.random() < 0.05:
             kind = rng.choice(("reasoning", "item_reference", "custom", "message "))
             items.append({"type": kind, "role": "user", "content": [self._part(rng)]})
