@@ -703,6 +703,11 @@ def wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float = 60.
     raise RuntimeError(f"{url} did not come up within {timeout_s:g} s")
 
 
+def _temp_path(prefix: str, suffix: str) -> Path:
+    with tempfile.NamedTemporaryFile(prefix=prefix, suffix=suffix, delete=False) as file:
+        return Path(file.name)
+
+
 @dataclass
 class ServeStack:
     """A recording upstream process and ``modalgate serve`` in front of it, on 127.0.0.1."""
@@ -712,7 +717,7 @@ class ServeStack:
     served: str | None = DEFAULT_SERVED  # the recording upstream's one model
     gateway_args: list[str] = field(default_factory=list)
     upstream_ready_path: str = "/_fuzz/findings"
-    log_path: Path = field(default_factory=lambda: Path(tempfile.mktemp(suffix=".log")))
+    log_path: Path = field(default_factory=lambda: _temp_path("modalgate-fuzz-", ".log"))
 
     def __enter__(self) -> ServeStack:
         self.upstream_port = free_port()
