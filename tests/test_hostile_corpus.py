@@ -317,8 +317,21 @@ def test_embeddings_in_assistant_reasoning(gateway, upstream):
             "invalid_request",
             "input.[0].type",
         ),
+        (INLINE_VIDEO, "unsupported_modality", "input.[0].type"),
+        (
+            {"type": "audio_url", "uuid": "item-1", "audio_url": None},
+            "unsupported_modality",
+            "input.[0].audio_url",
+        ),
     ],
-    ids=["item-reference-video", "item-reference-file", "screenshot-ssrf", "unknown-with-content"],
+    ids=[
+        "item-reference-video",
+        "item-reference-file",
+        "screenshot-ssrf",
+        "unknown-with-content",
+        "part-as-item",
+        "cached-part-as-item",
+    ],
 )
 def test_every_responses_item_with_content_is_walked(gateway, upstream, item, code, param):
     body = {"model": "stills", "input": [item]}

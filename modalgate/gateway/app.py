@@ -167,17 +167,17 @@ class Gateway:
     def served_model(self, name: str, rule: ResolvedRule) -> str | None:
         """The model that really answers a request judged as ``name``, if not that one.
 
-        An upstream serving one model answers with it whatever the name (SGLang
-        ignores names; vLLM refuses unknown ones, or serves its default when none is
-        given), so the request is judged as that model: configured for the default
-        upstream (``--served-model``), else the one model its ``/v1/models`` listed
-        that the policy knows (an id the policy does not know says nothing more than
-        the name the client sent).
+        The default upstream serves whatever name a request carries (SGLang ignores
+        names; vLLM serves its default model when none is given), so a request routed
+        there is judged as what it serves: ``--served-model``, else the one model its
+        ``/v1/models`` listed that the policy knows (an id the policy does not know
+        says no more than the name the client sent). A rule's own upstream serves
+        that rule's model: the policy says so.
         """
         route = self.upstreams.route_for(rule)
-        if route is None:
+        if route is None or route is not self.upstreams.default:
             return None
-        if route is self.upstreams.default and self.settings.served_model:
+        if self.settings.served_model:
             return self.settings.served_model
         listed = {model for target, _ in route.targets for model in target.served}
         if any(model.casefold() == name.casefold() for model in listed):

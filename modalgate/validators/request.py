@@ -30,7 +30,7 @@ from modalgate.validators.media_checks import (
     content_violations,
     probe_violations,
 )
-from modalgate.validators.parts import part_type_of, read_part
+from modalgate.validators.parts import PART_KINDS, part_type_of, read_part
 from modalgate.validators.verdict import Verdict
 
 _NAMES = {
@@ -234,6 +234,8 @@ def _walk_input(items: Any, rule: ResolvedRule, verdict: Verdict) -> None:
                     _read_part(part, path(where, "output", j), "tool", rule, verdict)
         elif kind == "computer_call_output":
             _read_screenshot(item.get("output"), path(where, "output"), rule, verdict)
+        elif kind in PART_KINDS:  # a content part where an item goes: judged as one
+            _read_part(item, where, "user", rule, verdict)
         elif kind not in _CONTENTLESS_ITEMS and _CONTENT_KEYS.intersection(item):
             verdict.violations.append(
                 invalid(
