@@ -26,6 +26,7 @@ from conftest import (
 from modalgate.errors import STATUS, ErrorCode, Violation, error_json
 from modalgate.policy import RuleMatcher, load_policy, parse_policy
 from modalgate.validators import Verdict, validate_body, validate_request
+from modalgate.validators.json_body import rewrite_json_body
 
 SCALE = max(1, int(os.environ.get("MODALGATE_FUZZ_SCALE", "1")))
 
@@ -494,3 +495,47 @@ def test_any_bytes_as_an_image_get_a_verdict(data, mime, which):
     if verdict.accepted:
         (part,) = verdict.parts
         assert part.data == data
+
+
+# ---------------------------------------------------------------- (e) every body kind, rewrites
+
+API_KINDS = ["chat", "responses", "completions", "messages", "generate"]
+
+
+@fuzz(600)
+@given(
+    value=json_values | near_requests,
+    api=st.sampled_from(API_KINDS),
+    which=st.sampled_from(range(len(MATCHERS))),
+)
+def test_every_body_kind_gets_a_verdict(value, api, which):
+    verdict = check_verdict(validate_body(orjson.dumps(value), MATCHERS[which], api))
+    check_accepted_parts(verdict)
+
+
+# Numbers a plain re-serialisation cannot reproduce, written as raw JSON text.
+raw_numbers = st.sampled_from(
+    [b"1e400", b"-1e400", b"123456789012345678901234567890", b"-0.0", b"1.10", b"1E-400",
+     b"0.1000000000000000055511151231257827", b"18446744073709551616", b"-9223372036854775809"]
+)  # fmt: skip
+
+
+@fuzz(300)
+@given(numbers=st.lists(raw_numbers, min_size=1, max_size=6), model=st.text(max_size=20))
+def test_a_rewrite_changes_only_what_it_replaces(numbers, model):
+    fields = b",".join(b'"n%d":%s' % (i, n) for i, n in enumerate(numbers))
+    body = b'{"model":"x",' + fields + b',"nested":{"list":[' + b",".join(numbers) + b"]}}"
+    rewritten = rewrite_json_body(body, [(("model",), model)])
+    assert rewritten == b'{"model":' + orjson.dumps(model) + body[len(b'{"model":"x"') :]
+
+
+@fuzz(300)
+@given(key=st.text(min_size=1, max_size=12), depth=st.integers(0, 4))
+def test_a_duplicate_key_at_any_depth_is_refused(key, depth):
+    inner = b"{" + orjson.dumps(key) + b":1," + orjson.dumps(key) + b":2}"
+    for _ in range(depth):
+        inner = b'{"a":[' + inner + b"]}"
+    body = b'{"model":"kimi-k3","messages":[],"x":' + inner + b"}"
+    verdict = check_verdict(validate_body(body, MATCHERS[0]))
+    assert verdict.violations[0].code is ErrorCode.INVALID_JSON
+    assert "repeats the key" in verdict.violations[0].message
