@@ -365,10 +365,13 @@ models:
 """,
         fmt="yaml",
     )
-    assert unserved_embeds(policy, {"kimi:/a"}, default=True, mode="full") == []
-    assert unserved_embeds(policy, set(), default=False, mode="full") == [
+    full = RuleMatcher(policy, "full").rules
+    assert unserved_embeds(full, {"kimi:/a"}, default=True) == []
+    assert unserved_embeds(full, set(), default=False) == [
         "rule 'own': 'embeds' needs encoder 'kimi:/a', not loaded",
         "rule 'shared': 'embeds' needs an encoder: give the rule 'encoder:'"
         " or start with --encoder",
     ]
-    assert len(unserved_embeds(policy, {"kimi:/a"}, default=False)) == 2  # every mode
+    # A rule of another mode is not this gateway's to serve: no --mode is a mode too.
+    assert len(unserved_embeds(RuleMatcher(policy, None).rules, set(), default=False)) == 2
+    assert len(unserved_embeds(RuleMatcher(policy, "encoder").rules, set(), default=False)) == 3

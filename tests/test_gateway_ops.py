@@ -15,7 +15,9 @@ import pytest
 
 from conftest import MP4_BYTES, chat, data_url, serve
 from gateway_proc import GatewayProcess, metric
+from modalgate.gateway.app import create_app
 from modalgate.gateway.settings import load_settings
+from modalgate.policy import load_policy
 from toy_upstream import ToyUpstream
 
 VIDEO = {"type": "video_url", "video_url": {"url": data_url(MP4_BYTES, "video/mp4")}}
@@ -196,3 +198,17 @@ def test_a_validation_service_answers_other_paths_with_not_found():
         assert response.json()["error"]["type"] == "invalid_request_error"
         verdict = httpx.post(gateway.url + "/v1/chat/completions", json=chat("hi"))
         assert verdict.json()["object"] == "modalgate.verdict"
+
+
+def test_a_rule_of_another_mode_never_stops_the_gateway_from_starting(tmp_path):
+    # An encoder-mode rule with `embeds` and no encoder is that mode's problem only.
+    policy = tmp_path / "modes.yaml"
+    policy.write_text(
+        "extends: builtin\n"
+        "models:\n"
+        "  - {name: split-tower, mode: encoder, accepts: [image], embeds: {}}\n",
+        encoding="utf-8",
+    )
+    assert create_app(policy=policy).problems(load_policy(policy)) == []
+    with pytest.raises(ValueError, match="split-tower"):
+        create_app(policy=policy, mode="encoder")

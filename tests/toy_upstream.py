@@ -75,10 +75,7 @@ class ToyUpstream:
                 Route("/health", self._health, methods=["GET"]),
                 Route("/echo/{rest:path}", self._echo, methods=["GET", "POST", "PUT", "DELETE"]),
                 # The engines' other doors: recorded and answered, whatever the body.
-                *(
-                    Route(door, self._other_door, methods=["POST", "PUT"])
-                    for door in OTHER_DOORS
-                ),
+                *(Route(door, self._other_door, methods=["POST", "PUT"]) for door in OTHER_DOORS),
                 # For tests driving this server as its own process: what it received.
                 Route("/_received", self._received, methods=["GET", "DELETE"]),
             ]

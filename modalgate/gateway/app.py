@@ -84,7 +84,7 @@ class Gateway:
             on_upstream=self.metrics.observe_upstream,
             on_response_end=self.metrics.observe_stream_end,
         )
-        self.upstreams.use_policy(policy, settings.mode)
+        self.upstreams.use_policy(RuleMatcher(policy, settings.mode).rules)
         self.readiness = Readiness(self.upstreams)
         # A gateway with no upstream at start is a validation service: chat paths answer
         # with the verdict. Routes a reload brings apply to gateways that proxy.
@@ -140,25 +140,22 @@ class Gateway:
     def encoder_problems(self, policy: Policy) -> list[str]:
         """Rules this process could not serve: an encoder named after start, or embeds
         with no encoder at all. A reload that brings them is refused."""
-        mode = self.settings.mode
+        rules = RuleMatcher(policy, self.settings.mode).rules
         problems = [
             f"rule {rule.name!r}: encoder {rule.encoder!r} was not loaded at start "
             "(encoders change on restart)"
-            for rule in policy.models
-            if rule.mode in (None, mode)
-            and rule.encoder
+            for rule in rules
+            if rule.encoder
             and rule.encoder not in self.adapters_by_spec
             and rule.embeds is None  # unserved_embeds names those
         ]
         default = self.default_encoder is not None
-        return problems + unserved_embeds(policy, self.adapters_by_spec, default=default, mode=mode)
+        return problems + unserved_embeds(rules, self.adapters_by_spec, default=default)
 
     def apply_policy(self, policy: Policy) -> None:
         retired: list[object] = [self.gate.media]
         self.gate.set_policy(policy, self.settings.mode)
-        retired += [
-            target.proxy for target in self.upstreams.use_policy(policy, self.settings.mode)
-        ]
+        retired += [target.proxy for target in self.upstreams.use_policy(self.gate.matcher.rules)]
         if self._group is not None:
             for resource in retired:
                 self._group.start_soon(_close_later, resource)
@@ -286,9 +283,7 @@ def fallback_problems(policy: Policy, mode: str | None) -> list[str]:
     """Fallbacks must land on a rule of this mode that takes the modality they route."""
     matcher = RuleMatcher(policy, mode)
     problems = []
-    for rule in policy.models:
-        if rule.mode not in (None, mode):
-            continue
+    for rule in matcher.rules:
         for modality, target in (rule.fallback or {}).items():
             resolved = matcher.resolve(target)
             if not resolved.known:
@@ -305,7 +300,7 @@ def fallback_problems(policy: Policy, mode: str | None) -> list[str]:
 
 
 def _encoders_for(policy: Policy, mode: str | None) -> dict[str, EncoderAdapter]:
-    specs = {r.encoder for r in policy.models if r.encoder and r.mode in (None, mode)}
+    specs = {r.encoder for r in RuleMatcher(policy, mode).rules if r.encoder}
     return {spec: create_encoder(spec) for spec in sorted(specs)}
 
 

@@ -68,8 +68,8 @@ class ModelCatalog:
     def _policy_names(self) -> list[str]:
         with_routes = self.upstreams.by_rule
         names = []
-        for rule in self.matcher.policy.models:
-            if rule.mode not in (None, self.matcher.mode) or _WILDCARDS & set(rule.name):
+        for rule in self.matcher.rules:
+            if _WILDCARDS & set(rule.name):
                 continue
             if rule.name in with_routes or not self.upstreams.configured:
                 names.append(rule.name)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
@@ -31,7 +31,7 @@ import pybase64
 
 from modalgate.encoder_adapter.protocol import EncoderAdapter
 from modalgate.errors import ErrorCode, Violation
-from modalgate.policy.models import EmbedsSpec, Policy
+from modalgate.policy.models import EmbedsSpec, ModelRule
 from modalgate.validators.verdict import MediaPart, Verdict
 
 if TYPE_CHECKING:
@@ -147,16 +147,17 @@ async def rewrite_to_embeds(
 
 
 def unserved_embeds(
-    policy: Policy, encoders: Collection[str], *, default: bool, mode: str | None = None
+    rules: Iterable[ModelRule], encoders: Collection[str], *, default: bool
 ) -> list[str]:
     """Startup check: one line per rule whose ``embeds`` no loaded encoder can serve.
 
-    ``encoders`` are the ``NAME[:ARG]`` specs loaded for rules; ``default`` says whether
-    ``serve --encoder`` gave one for rules without their own. Empty means ready.
+    ``rules`` are the rules of the gateway's mode (``RuleMatcher.rules``); ``encoders``
+    the ``NAME[:ARG]`` specs loaded for rules; ``default`` says whether ``serve
+    --encoder`` gave one for rules without their own. Empty means ready.
     """
     lines = []
-    for rule in policy.models:
-        if rule.embeds is None or (mode is not None and rule.mode not in (None, mode)):
+    for rule in rules:
+        if rule.embeds is None:
             continue
         if rule.encoder is not None and rule.encoder not in encoders:
             lines.append(f"rule {rule.name!r}: 'embeds' needs encoder {rule.encoder!r}, not loaded")

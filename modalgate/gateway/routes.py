@@ -20,9 +20,8 @@ import httpx
 from starlette.types import Receive, Scope, Send
 
 from modalgate.gateway.proxy import UpstreamObserver, UpstreamProxy, UpstreamSettings
-from modalgate.policy import Policy
 from modalgate.policy.matching import ResolvedRule
-from modalgate.policy.models import UpstreamTarget
+from modalgate.policy.models import ModelRule, UpstreamTarget
 
 logger = logging.getLogger("modalgate.routes")
 DEFAULT_ROUTE = "default"
@@ -111,12 +110,11 @@ class Upstreams:
     def _route(self, name: str, targets: Iterable[UpstreamTarget]) -> Route:
         return Route(name, tuple((self._target(t.url), t.weight) for t in targets))
 
-    def use_policy(self, policy: Policy, mode: str | None) -> list[Target]:
-        """Routes for the rules of ``mode``; returns targets no route uses any more."""
+    def use_policy(self, rules: Iterable[ModelRule]) -> list[Target]:
+        """Routes for the rules of the gateway's mode (``RuleMatcher.rules``); returns
+        targets no route uses any more."""
         self.by_rule = {
-            rule.name: self._route(rule.name, rule.upstream)
-            for rule in policy.models
-            if rule.upstream and rule.mode in (None, mode)
+            rule.name: self._route(rule.name, rule.upstream) for rule in rules if rule.upstream
         }
         used = {t.url for route in self.routes for t, _ in route.targets}
         retired = [t for url, t in self.targets.items() if url not in used]

@@ -223,9 +223,7 @@ def _url_or_file_id(
     return _bad(f"must carry a string {url_key!r} or 'file_id'", path(where, url_key))
 
 
-def with_url(
-    media: MediaPart, url: str, url_param: str, *, bare_base64: bool = False
-) -> MediaPart:
+def with_url(media: MediaPart, url: str, url_param: str, *, bare_base64: bool = False) -> MediaPart:
     """A data URL, a remote URL, or (``file_data``) bare base64."""
     media.payload_param = url_param
     if url[:5].lower() == "data:":
