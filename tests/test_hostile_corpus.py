@@ -413,6 +413,12 @@ def generate(**media: Any) -> dict[str, Any]:
         ),
         ("/generate", generate(image_data="/etc/passwd"), "invalid_base64", "image_data"),
         (
+            "/tokenize",
+            {"model": "stills", "input": [{"role": "user", "content": [VIDEO]}]},
+            "invalid_request",
+            "input.[0]",
+        ),
+        (
             "/generate",
             generate(image_data=[{"format": "processor_output"}]),
             "invalid_request",
@@ -425,6 +431,7 @@ def generate(**media: Any) -> dict[str, Any]:
         "completions-embeds",
         "generate-video",
         "generate-file-path",
+        "tokenize-message-as-input",
         "generate-object",
     ],
 )

@@ -23,6 +23,7 @@ from modalgate.validators.parts import with_url
 from modalgate.validators.verdict import MediaPart, Verdict
 
 _GENERATE_MEDIA = (("image_data", "image"), ("video_data", "video"), ("audio_data", "audio"))
+_POOLING_ITEM_KEYS = frozenset({"text", "image"})
 _URL_PREFIXES = ("http://", "https://", "data:", "file:")
 
 
@@ -42,7 +43,8 @@ def walk_completions(request: dict[str, Any], rule: ResolvedRule, verdict: Verdi
 
 def walk_pooling_input(request: dict[str, Any], rule: ResolvedRule, verdict: Verdict) -> None:
     """``input`` of embeddings and tokenize bodies: text or tokens, or SGLang's
-    ``{"text": ..., "image": ...}`` items (an image each)."""
+    ``{"text": ..., "image": ...}`` items (an image each). Objects of any other shape
+    are refused: the gate cannot tell what a server would make of them."""
     items = request.get("input")
     if not isinstance(items, list):
         return
@@ -50,6 +52,11 @@ def walk_pooling_input(request: dict[str, Any], rule: ResolvedRule, verdict: Ver
         if not isinstance(item, dict):
             continue  # text or token ids
         where = path("input", index)
+        if not _POOLING_ITEM_KEYS.issuperset(item):
+            verdict.violations.append(
+                invalid("input objects may carry only 'text' and 'image'", where)
+            )
+            continue
         image = item.get("image")
         if image is None:
             continue
