@@ -15,7 +15,7 @@ import orjson
 
 from modalgate.errors import error_body
 from modalgate.policy import Policy, PolicyError, RuleMatcher, load_policy, policy_json_schema
-from modalgate.validators import Verdict, validate_body
+from modalgate.validators import Verdict
 from modalgate.validators.request import Api
 
 EXIT_OK, EXIT_REJECTED, EXIT_USAGE = 0, 1, 2
@@ -235,9 +235,7 @@ def _validate(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"{args.request}: cannot read ({exc.strerror})", file=sys.stderr)
         return EXIT_USAGE
-    verdict = validate_body(body, RuleMatcher(policy, args.mode), api=args.api)
-    if args.fetch and verdict.accepted and verdict.remote_parts:
-        verdict = _fetched(verdict, policy)
+    verdict = _decided(body, policy, args)
     if verdict.accepted:
         _print_json(verdict.to_dict())
         return EXIT_OK
@@ -245,20 +243,23 @@ def _validate(args: argparse.Namespace) -> int:
     return EXIT_REJECTED
 
 
-def _fetched(verdict: Verdict, policy: Policy) -> Verdict:
+def _decided(body: bytes, policy: Policy, args: argparse.Namespace) -> Verdict:
+    """The gateway's own decision (fallback included); remote media fetched with --fetch."""
     import anyio
 
+    from modalgate.gateway.pipeline import Decider
     from modalgate.gateway.remote_media import MediaStage
 
-    async def fetch() -> None:
-        stage = MediaStage(policy.media_urls)
+    async def decide() -> Verdict:
+        media = MediaStage(policy.media_urls) if args.fetch else None
         try:
-            await stage.fetch(verdict)
+            decider = Decider(RuleMatcher(policy, args.mode), media)
+            return (await decider.decide(body, args.api)).verdict
         finally:
-            await stage.aclose()
+            if media is not None:
+                await media.aclose()
 
-    anyio.run(fetch)
-    return verdict
+    return anyio.run(decide)
 
 
 def _check(args: argparse.Namespace) -> int:

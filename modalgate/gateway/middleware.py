@@ -21,12 +21,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from modalgate.errors import ErrorCode, Violation, payload_too_large
 from modalgate.gateway.outcome import GateOutcome, OutcomeObserver
 from modalgate.gateway.paths import with_normalized_path
+from modalgate.gateway.pipeline import Decider
 from modalgate.gateway.remote_media import MediaStage
 from modalgate.gateway.responses import send_error
 from modalgate.policy import Policy, RuleMatcher, load_policy
 from modalgate.policy.endpoints import EndpointTable
-from modalgate.validators import Verdict, validate_body, with_fallback
-from modalgate.validators.json_body import Location, rewrite_json_body
+from modalgate.validators import Verdict
 from modalgate.validators.request import Api, ServedModel
 
 DEFAULT_PATHS = ("/v1/chat/completions", "/chat/completions")
@@ -76,6 +76,8 @@ class ModalGate:
         self.matcher = RuleMatcher(policy, mode)
         self.endpoints = EndpointTable(policy.endpoints)
         self.media = MediaStage(policy.media_urls)
+        # One object per policy: a request in flight keeps the one it started with.
+        self.decider = Decider(self.matcher, self.media, self.served, self.run_cpu)
         self.read_cap = max(
             [policy.limits.max_body_bytes]
             + [
@@ -105,7 +107,7 @@ class ModalGate:
         if api is None:
             await self.app(scope, receive, send)
         elif scope["method"] == "POST":
-            gated = _GatedRequest(self, self.matcher, self.media, self.read_cap, api)
+            gated = _GatedRequest(self, self.decider, self.read_cap, api)
             await gated(scope, receive, send)
         elif _has_body(scope):
             # A body on another method would reach a server that reads it (SGLang takes
@@ -160,12 +162,9 @@ class ModalGate:
 class _GatedRequest:
     """State of one gated request, in the manner of Starlette's GZip responder."""
 
-    def __init__(
-        self, gate: ModalGate, matcher: RuleMatcher, media: MediaStage, read_cap: int, api: Api
-    ) -> None:
+    def __init__(self, gate: ModalGate, decider: Decider, read_cap: int, api: Api) -> None:
         self.gate = gate
-        self.matcher = matcher
-        self.media = media
+        self.decider = decider
         self.read_cap = read_cap
         self.api = api
 
@@ -181,30 +180,12 @@ class _GatedRequest:
         if body is None:
             return
         received = len(body)
-        verdict = await self.gate.run_cpu(
-            received, validate_body, body, self.matcher, self.api, self.gate.served
-        )
-        edits: list[tuple[Location, object]] = []
-        if not verdict.accepted and verdict.rule is not None and verdict.rule.fallback:
-            verdict = await self.gate.run_cpu(
-                received, with_fallback, verdict, self.matcher, received
-            )
-            if verdict.routed_from is not None:
-                send = _with_header(send, ROUTED_TO_HEADER, (verdict.model or "").encode())
-                edits.append((("model",), verdict.model))
-        if verdict.accepted and verdict.remote_parts:
-            await self.media.fetch(verdict)
-            if verdict.accepted and self.media.inline:
-                inlined = self.media.inlined(verdict)
-                if isinstance(inlined, Violation):
-                    verdict.violations.append(inlined)
-                else:
-                    edits += inlined
-        if verdict.accepted and edits:
-            # Only the edited values change; every other byte's meaning, numbers included,
-            # reaches the app as the client sent it.
-            grown = received + sum(p.inlined_size() for p in verdict.remote_parts)
-            body = await self.gate.run_cpu(grown, rewrite_json_body, body, edits)
+        decision = await self.decider.decide(body, self.api)
+        verdict = decision.verdict
+        if verdict.routed_from is not None:
+            send = _with_header(send, ROUTED_TO_HEADER, (verdict.model or "").encode())
+        if decision.body is not body:
+            body = decision.body
             scope = dict(scope, headers=with_content_length(scope, len(body)))
         self._report(verdict, verdict.violations, received)
         if not verdict.accepted:
@@ -224,7 +205,7 @@ class _GatedRequest:
                 accepted=not violations,
                 violations=tuple(violations),
                 model=verdict.model if verdict is not None else None,
-                mode=self.matcher.mode,
+                mode=self.decider.matcher.mode,
                 rule=rule.name if rule is not None and rule.known else None,
                 routed_from=verdict.routed_from if verdict is not None else None,
                 body_bytes=body_bytes,
