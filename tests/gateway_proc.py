@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -103,3 +104,15 @@ def metric(gateway: GatewayProcess, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
+
+
+def raw_http(gateway: GatewayProcess, request: bytes) -> bytes:
+    """One request as bytes on a fresh socket (no client library adding its own headers
+    or tidying the path), and the whole answer as bytes."""
+    url = httpx.URL(gateway.url)
+    with socket.create_connection((url.host, url.port), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer

@@ -8,7 +8,6 @@ for an acceptance.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,7 +27,7 @@ from conftest import (
     serve,
     start_server,
 )
-from gateway_proc import GatewayProcess
+from gateway_proc import GatewayProcess, raw_http
 from toy_upstream import ToyUpstream
 
 PNG = image_bytes("PNG", (40, 30))
@@ -364,17 +363,11 @@ def test_path_spellings_are_gated_and_forwarded_normalised(gateway, upstream, ra
 
 
 def raw_post(gateway: GatewayProcess, raw_path: bytes, body: bytes) -> bytes:
-    url = httpx.URL(gateway.url)
-    request = (
+    return raw_http(
+        gateway,
         b"POST " + raw_path + b" HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-        b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body
+        b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body,
     )
-    with socket.create_connection((url.host, url.port), timeout=10) as sock:
-        sock.sendall(request)
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-    return answer
 
 
 @pytest.mark.parametrize("method", ["PUT", "PATCH", "GET", "DELETE"])

@@ -374,3 +374,21 @@ def _as_context(generator):
     from contextlib import asynccontextmanager
 
     return asynccontextmanager(generator)
+
+
+def test_full_image_decoding_sends_every_body_that_can_hold_an_image_to_a_thread():
+    # verify_image_data decodes images (~10-60 ms a megapixel): never on the event loop.
+    plain = ModalGate(_noop_app)
+    verifying = ModalGate(_noop_app, parse_policy("limits: {verify_image_data: true}", fmt="yaml"))
+    per_rule = ModalGate(
+        _noop_app,
+        parse_policy(
+            "models: [{name: a, accepts: [image], limits: {verify_image_data: true}}]", fmt="yaml"
+        ),
+    )
+    assert plain.thread_threshold == 256 * 1024
+    assert verifying.thread_threshold == per_rule.thread_threshold == 4 * 1024
+
+
+async def _noop_app(scope, receive, send) -> None:
+    return None

@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from conftest import chat, data_url, free_port, image_bytes, serve
-from gateway_proc import GatewayProcess, metric
+from gateway_proc import GatewayProcess, metric, raw_http
 from modalgate.policy.models import DEFAULT_ENDPOINTS
 from toy_upstream import Behaviour, ToyUpstream
 
@@ -151,17 +151,6 @@ def test_other_paths_are_proxied_as_they_are(gateway, toy):
     assert httpx.delete(gateway.url + "/echo/gone").json()["method"] == "DELETE"
     # /v1/models is the gateway's own: the upstream's list was read at start, and cached.
     assert [r.path for r in toy.received if r.path != "/v1/models"] == ["/echo/a/b", "/echo/gone"]
-
-
-def raw_http(gateway: GatewayProcess, request: bytes) -> bytes:
-    """One request as bytes on a fresh socket (no client library adding its own headers)."""
-    url = httpx.URL(gateway.url)
-    with socket.create_connection((url.host, url.port), timeout=10) as sock:
-        sock.sendall(request)
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-    return answer
 
 
 def test_upstream_sees_only_the_clients_headers_and_ours(gateway, toy):

@@ -35,6 +35,9 @@ DEFAULT_RESPONSES_PATHS = ("/v1/responses", "/responses")
 # Bodies above this are validated in a worker thread: base64 and header work on
 # a multi-megabyte body would otherwise stall every other request on the loop.
 THREAD_THRESHOLD_BYTES = 256 * 1024
+# Where the policy decodes images fully (verify_image_data: ~10-60 ms per megapixel), any
+# body that can hold an image goes to a thread.
+VERIFY_THREAD_THRESHOLD_BYTES = 4 * 1024
 VERDICT_STATE_KEY = "modalgate_verdict"
 ROUTED_TO_HEADER = b"x-modalgate-routed-to"  # set when a fallback chose another model
 T = TypeVar("T")
@@ -74,6 +77,12 @@ class ModalGate:
     def set_policy(self, policy: Policy, mode: str | None = None) -> None:
         """Swap the policy atomically: a request in flight keeps the matcher it started with."""
         self.matcher = RuleMatcher(policy, mode)
+        verifies = policy.limits.verify_image_data or any(
+            rule.limits is not None and rule.limits.verify_image_data for rule in self.matcher.rules
+        )
+        self.thread_threshold = (
+            VERIFY_THREAD_THRESHOLD_BYTES if verifies else THREAD_THRESHOLD_BYTES
+        )
         self.endpoints = EndpointTable(policy.endpoints)
         self.media = MediaStage(policy.media_urls)
         # One object per policy: a request in flight keeps the one it started with.
@@ -152,7 +161,7 @@ class ModalGate:
 
     async def run_cpu(self, size: int, function: Callable[..., T], *args: object) -> T:
         """Small work inline; big work in a worker thread behind the gate's own limiter."""
-        if size < THREAD_THRESHOLD_BYTES:
+        if size < self.thread_threshold:
             return function(*args)
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self.validation_threads)
