@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,9 +16,16 @@ import pytest
 
 from conftest import MP4_BYTES, chat, data_url, serve
 from gateway_proc import GatewayProcess, metric
-from modalgate.gateway.app import create_app
+from modalgate.gateway.app import StartupError, create_app
 from modalgate.gateway.settings import load_settings
 from modalgate.policy import load_policy
+from modalgate.settings import (
+    NOT_IN_POLICY_FILE,
+    GatewaySettings,
+    ServerSection,
+    env_name,
+    flag_name,
+)
 from toy_upstream import ToyUpstream
 
 VIDEO = {"type": "video_url", "video_url": {"url": data_url(MP4_BYTES, "video/mp4")}}
@@ -210,5 +218,38 @@ def test_a_rule_of_another_mode_never_stops_the_gateway_from_starting(tmp_path):
         encoding="utf-8",
     )
     assert create_app(policy=policy).problems(load_policy(policy)) == []
-    with pytest.raises(ValueError, match="split-tower"):
+    with pytest.raises(StartupError, match="split-tower"):
         create_app(policy=policy, mode="encoder")
+
+
+def test_every_setting_has_its_flag_variable_and_policy_key_in_the_docs():
+    # One settings model makes the flags, the MODALGATE_* names and the server: keys.
+    table = (Path(__file__).parents[1] / "docs" / "deploy.md").read_text("utf-8")
+    parser_help = subprocess.run(
+        [sys.executable, "-m", "modalgate.gateway.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for name in GatewaySettings.model_fields:
+        rows = (line for line in table.splitlines() if line.startswith("| `--"))
+        row = next((line for line in rows if f"`{env_name(name)}`" in line), "")
+        assert row.startswith(f"| `{flag_name(name)}"), name
+        assert flag_name(name) in parser_help, name
+        key = "—" if name in NOT_IN_POLICY_FILE else f"`{name}`"
+        assert f"| {key} |" in row, name
+        if name not in NOT_IN_POLICY_FILE:
+            assert name in ServerSection.model_fields
+
+
+def test_check_refuses_a_server_section_that_serve_would_refuse(tmp_path):
+    policy = tmp_path / "bad-server.yaml"
+    policy.write_text("server: {upstream: 'ftp://x', metrics_path: metrics}\n", encoding="utf-8")
+    result = subprocess.run(
+        [sys.executable, "-m", "modalgate.gateway.cli", "check", str(policy)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 1
+    assert "server.upstream: the upstream must be an http:// or https:// URL" in result.stderr
+    assert "server.metrics_path: must start with /" in result.stderr

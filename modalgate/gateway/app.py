@@ -47,8 +47,8 @@ from modalgate.gateway.reload import PolicyReloader
 from modalgate.gateway.request_id import RequestId
 from modalgate.gateway.responses import json_bytes, send_error
 from modalgate.gateway.routes import Upstreams
-from modalgate.gateway.settings import GatewaySettings, load_settings, policy_location
 from modalgate.policy import Policy, ResolvedRule, RuleMatcher, load_policy
+from modalgate.settings import GatewaySettings, load_settings, policy_location
 
 VALIDATE_PATH = "/v1/validate"
 VALIDATE_RESPONSES_PATH = "/v1/validate/responses"  # a Responses API body's verdict
@@ -343,7 +343,17 @@ def create_app(
     elif not isinstance(policy, Policy):
         policy = load_policy(policy if policy is not None else settings.policy)
     if encoder is None and settings.encoder:
-        encoder = create_encoder(settings.encoder)
+        try:
+            encoder = create_encoder(settings.encoder)
+        except (LookupError, ValueError, OSError, RuntimeError) as exc:
+            raise StartupError(f"cannot start the encoder: {exc}") from exc
     if not logging.getLogger().handlers and not logging.getLogger("modalgate").handlers:
         configure_logging(settings.log_level, settings.log_format)
-    return Gateway(policy, settings, encoder)
+    try:
+        return Gateway(policy, settings, encoder)
+    except (LookupError, ValueError, OSError, RuntimeError) as exc:
+        raise StartupError(f"cannot start: {exc}") from exc
+
+
+class StartupError(RuntimeError):
+    """What keeps a gateway from starting, in one line fit for an operator."""

@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import get_args
+from typing import Any, Literal, get_args, get_origin
 
 import orjson
 
 from modalgate.errors import error_body
 from modalgate.policy import Policy, PolicyError, RuleMatcher, load_policy, policy_json_schema
+from modalgate.settings import GatewaySettings, flag_name
 from modalgate.validators import Verdict
 from modalgate.validators.request import Api
 
@@ -44,64 +45,7 @@ def _parser() -> argparse.ArgumentParser:
         "policy file's server: section. See docs/deploy.md.",
     )
     _policy_args(serve)
-    serve.add_argument("--upstream", metavar="URL", help="the model server to forward to")
-    serve.add_argument(
-        "--served-model",
-        metavar="NAME",
-        help="the model the upstream serves: requests are judged as it, whatever name they"
-        " carry (default: the one policy-known model its /v1/models lists)",
-    )
-    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port (default 8000)")
-    serve.add_argument(
-        "--encoder",
-        metavar="NAME[:ARG]",
-        help="encoder adapter for /v1/encode and embeds rewrites, e.g. kimi:/models/kimi-vit",
-    )
-    serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
-    serve.add_argument("--log-format", choices=["json", "text"], help="default json")
-    serve.add_argument(
-        "--access-log", action=argparse.BooleanOptionalAction, help="one line per request"
-    )
-    serve.add_argument(
-        "--watch-policy",
-        action=argparse.BooleanOptionalAction,
-        help="reload the policy file when it changes (SIGHUP always reloads)",
-    )
-    serve.add_argument(
-        "--grace-period",
-        dest="grace_period_s",
-        type=float,
-        metavar="S",
-        help="on SIGTERM, seconds to let requests and streams in flight finish (default 30)",
-    )
-    serve.add_argument("--metrics-path", help="where Prometheus scrapes (default /metrics)")
-    serve.add_argument(
-        "--upstream-connect-timeout", dest="upstream_connect_timeout_s", type=float, metavar="S"
-    )
-    serve.add_argument(
-        "--upstream-read-timeout",
-        dest="upstream_read_timeout_s",
-        type=float,
-        metavar="S",
-        help="longest silence between two chunks of a response (default 300)",
-    )
-    serve.add_argument(
-        "--upstream-write-timeout",
-        dest="upstream_write_timeout_s",
-        type=float,
-        metavar="S",
-        help="longest time for the upstream to take one chunk of a request body (default 60)",
-    )
-    serve.add_argument("--upstream-max-connections", type=int, metavar="N")
-    serve.add_argument("--upstream-health-path", metavar="PATH", help="default /health")
-    serve.add_argument(
-        "--upstream-health-interval",
-        dest="upstream_health_interval_s",
-        type=float,
-        metavar="S",
-        help="seconds between health probes of each upstream (default 5)",
-    )
+    _setting_flags(serve)
     serve.set_defaults(run=_serve)
 
     validate = commands.add_parser(
@@ -141,6 +85,24 @@ def _policy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", help="deployment mode, e.g. encoder (default: none)")
 
 
+def _setting_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting, made from the settings model: name, type, choices, help."""
+    for name, field in GatewaySettings.model_fields.items():
+        if name in ("policy", "mode"):
+            continue  # _policy_args: validate takes them too
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        options: dict[str, Any] = {"dest": name, "metavar": extra.get("metavar")}
+        annotation = field.annotation
+        default = "" if field.default is None else f" (default {field.default})"
+        if annotation is bool:
+            options = {"dest": name, "action": argparse.BooleanOptionalAction}
+        elif get_origin(annotation) is Literal:
+            options = {"dest": name, "choices": get_args(annotation)}
+        elif annotation in (int, float):
+            options["type"] = annotation
+        parser.add_argument(flag_name(name), help=f"{field.description}{default}", **options)
+
+
 def _load(args: argparse.Namespace) -> Policy | None:
     try:
         return load_policy(args.policy)
@@ -149,39 +111,15 @@ def _load(args: argparse.Namespace) -> Policy | None:
         return None
 
 
-_SERVE_FLAGS = (
-    "policy",
-    "mode",
-    "upstream",
-    "served_model",
-    "encoder",
-    "host",
-    "port",
-    "log_level",
-    "log_format",
-    "access_log",
-    "watch_policy",
-    "grace_period_s",
-    "metrics_path",
-    "upstream_connect_timeout_s",
-    "upstream_read_timeout_s",
-    "upstream_write_timeout_s",
-    "upstream_max_connections",
-    "upstream_health_path",
-    "upstream_health_interval_s",
-)
-
-
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
     from pydantic import ValidationError
 
-    from modalgate.encoder_adapter import create_encoder
-    from modalgate.gateway.app import Gateway
+    from modalgate.gateway.app import StartupError, create_app
     from modalgate.gateway.logs import configure_logging, uvicorn_log_config
-    from modalgate.gateway.settings import load_settings, policy_location
+    from modalgate.settings import load_settings, policy_location
 
-    flags = {name: getattr(args, name) for name in _SERVE_FLAGS}
+    flags = {name: getattr(args, name) for name in GatewaySettings.model_fields}
     flags["policy"] = policy_location(flags)
     try:
         policy = load_policy(flags["policy"])
@@ -196,15 +134,9 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     configure_logging(settings.log_level, settings.log_format)
     try:
-        encoder = create_encoder(settings.encoder) if settings.encoder else None
-    except (LookupError, ValueError, OSError, RuntimeError) as exc:
-        # An encoder that cannot load is an operator's problem: one line, no traceback.
-        print(f"cannot start the encoder: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        gateway = Gateway(policy, settings, encoder)
-    except (LookupError, ValueError, OSError, RuntimeError) as exc:
-        print(f"cannot start: {exc}", file=sys.stderr)
+        gateway = create_app(policy, settings=settings)
+    except StartupError as exc:  # an operator's problem: one line, no traceback
+        print(str(exc), file=sys.stderr)
         return EXIT_USAGE
     uvicorn.run(
         gateway,

@@ -18,6 +18,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from modalgate.settings import ServerSection
+
 # Media modalities a rule can accept; text always passes.
 MediaModality = Literal["image", "video", "audio", "file", "embeddings"]
 Modality = Literal["text", "image", "video", "audio", "file", "embeddings"]
@@ -124,24 +126,8 @@ class MediaUrls(_Strict):
         return tuple(h.lower().rstrip(".") for h in hosts)
 
 
-class Server(_Strict):
-    """Gateway settings a policy file may carry: the lowest precedence, under flags and
-    ``MODALGATE_*`` variables (see docs/deploy.md). Read at start, not on reload."""
-
-    upstream: str | None = None
-    served_model: str | None = Field(None, min_length=1)
-    upstream_connect_timeout_s: float | None = Field(None, gt=0)
-    upstream_read_timeout_s: float | None = Field(None, gt=0)
-    upstream_write_timeout_s: float | None = Field(None, gt=0)
-    upstream_max_connections: int | None = Field(None, gt=0)
-    upstream_health_path: str | None = None
-    upstream_health_interval_s: float | None = Field(None, gt=0)
-    grace_period_s: float | None = Field(None, ge=0)
-    watch_policy: bool | None = None
-    metrics_path: str | None = None
-    access_log: bool | None = None
-    log_format: Literal["json", "text"] | None = None
-    log_level: Literal["critical", "error", "warning", "info", "debug"] | None = None
+# The policy file's ``server:`` section: derived from the one settings model.
+Server = ServerSection
 
 
 EmbedsDtype = Literal["float32", "bfloat16", "float16"]

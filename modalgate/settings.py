@@ -1,0 +1,169 @@
+"""The gateway's settings: one model, from which every place that sets them is made.
+
+``GatewaySettings`` (pydantic-settings) is the only definition. The
+``MODALGATE_*`` variables are its environment source; the policy file's
+``server:`` section (``ServerSection``) and the ``modalgate serve`` flags are
+derived from its fields, types, constraints and descriptions, so none of them
+can name a setting the others lack or check it differently. Precedence: flags,
+then the environment, then the policy file, then the defaults here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, InitSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "MODALGATE_"
+
+
+def _http_url(value: str) -> str:
+    if not value.startswith(("http://", "https://")):
+        raise ValueError("the upstream must be an http:// or https:// URL")
+    return value.rstrip("/")
+
+
+def _absolute(value: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError("must start with /")
+    return value
+
+
+UpstreamUrl = Annotated[str, AfterValidator(_http_url)]
+AbsolutePath = Annotated[str, AfterValidator(_absolute)]
+Seconds = Annotated[float, Field(gt=0)]
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+
+
+def _flag(metavar: str) -> dict[str, Any]:
+    """The placeholder the field's ``serve`` flag shows in ``--help``."""
+    return {"metavar": metavar}
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    policy: str | None = Field(
+        None,
+        description="policy file (default: the built-in table)",
+        json_schema_extra=_flag("FILE"),
+    )
+    mode: str | None = Field(
+        None, description="deployment mode, e.g. encoder", json_schema_extra=_flag("MODE")
+    )
+    upstream: UpstreamUrl | None = Field(
+        None,
+        description="the model server to forward to; none: a validation service",
+        json_schema_extra=_flag("URL"),
+    )
+    served_model: str | None = Field(
+        None,
+        min_length=1,
+        description="the model the default upstream serves: requests routed there are judged"
+        " as it, whatever name they carry (default: the one policy-known model its"
+        " /v1/models lists)",
+        json_schema_extra=_flag("NAME"),
+    )
+    encoder: str | None = Field(
+        None,
+        description="encoder adapter for /v1/encode and embeds rewrites, e.g."
+        " kimi:/models/kimi-vit",
+        json_schema_extra=_flag("NAME[:ARG]"),
+    )
+    host: str = Field("127.0.0.1", description="bind address", json_schema_extra=_flag("H"))
+    port: int = Field(8000, ge=0, le=65535, description="port", json_schema_extra=_flag("P"))
+    upstream_connect_timeout_s: Seconds = Field(
+        5.0, description="connecting to an upstream", json_schema_extra=_flag("S")
+    )
+    upstream_read_timeout_s: Seconds = Field(
+        300.0,
+        description="the longest silence between two chunks of a response",
+        json_schema_extra=_flag("S"),
+    )
+    upstream_write_timeout_s: Seconds = Field(
+        60.0,
+        description="the longest an upstream may take to accept one chunk of a request body",
+        json_schema_extra=_flag("S"),
+    )
+    upstream_max_connections: int = Field(
+        512,
+        gt=0,
+        description="connection pool size, per upstream URL",
+        json_schema_extra=_flag("N"),
+    )
+    upstream_health_path: AbsolutePath = Field(
+        "/health", description="probed on every upstream", json_schema_extra=_flag("PATH")
+    )
+    upstream_health_interval_s: Seconds = Field(
+        5.0,
+        description="seconds between health probes of each upstream",
+        json_schema_extra=_flag("S"),
+    )
+    grace_period_s: float = Field(
+        30.0,
+        ge=0,
+        description="on SIGTERM, seconds to let requests and streams in flight finish",
+        json_schema_extra=_flag("S"),
+    )
+    watch_policy: bool = Field(
+        True, description="reload the policy file when it changes (SIGHUP always reloads)"
+    )
+    metrics_path: AbsolutePath = Field(
+        "/metrics", description="where Prometheus scrapes", json_schema_extra=_flag("PATH")
+    )
+    access_log: bool = Field(True, description="one log line per request")
+    log_format: Literal["json", "text"] = Field("json", description="log line format")
+    log_level: LogLevel = Field("info", description="the lowest level logged")
+
+
+# What a policy file's ``server:`` section may set: every setting but the file's own place.
+NOT_IN_POLICY_FILE = frozenset({"policy"})
+
+
+def _optional(field: FieldInfo) -> tuple[Any, Any]:
+    annotation = field.rebuild_annotation()  # the type with its constraints and validators
+    return Optional[annotation], Field(None, description=field.description)  # noqa: UP045
+
+
+ServerSection: type[BaseModel] = create_model(
+    "Server",
+    __config__=ConfigDict(extra="forbid", frozen=True),
+    __doc__="Gateway settings a policy file may carry: the lowest precedence, under flags and"
+    " MODALGATE_* variables (docs/deploy.md). Read at start, not on reload.",
+    **{
+        name: _optional(field)
+        for name, field in GatewaySettings.model_fields.items()
+        if name not in NOT_IN_POLICY_FILE
+    },
+)
+
+
+def flag_name(field_name: str) -> str:
+    """``upstream_read_timeout_s`` -> ``--upstream-read-timeout`` (seconds are said in help)."""
+    return "--" + field_name.removesuffix("_s").replace("_", "-")
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def policy_location(flags: dict[str, Any]) -> str | None:
+    """Where the policy file is: the flag, else the environment, else the built-in table."""
+    return flags.get("policy") or os.environ.get(f"{ENV_PREFIX}POLICY") or None
+
+
+def load_settings(flags: dict[str, Any], policy_server: dict[str, Any]) -> GatewaySettings:
+    """Flags (None = not given) over the environment over the policy's ``server:`` section."""
+    given = {key: value for key, value in flags.items() if value is not None}
+
+    class _Sourced(GatewaySettings):
+        @classmethod
+        def settings_customise_sources(
+            cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+        ):
+            return (init_settings, env_settings, InitSettingsSource(settings_cls, policy_server))
+
+    return GatewaySettings.model_validate(_Sourced(**given).model_dump())
