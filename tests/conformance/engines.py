@@ -6,25 +6,29 @@ per body, whether the engine accepts it and which media items it extracts:
 
     {"accepted": bool, "error": str | None,
      "modalities": {"image": n, "video": n, "audio": n, "embeddings": n},
-     "items": {...the engine's own item kinds and counts...}}
+     "items": {...the engine's own item kinds and counts...},
+     "stage": "request" | "parse" | None, "status": the engine's HTTP status}
 
 Importable only from the conformance venv. The main venv (which cannot import
 vLLM or SGLang) calls it as a subprocess, one JSON body per line in, one view
 per line out:
 
     .venv-conformance/bin/python tests/conformance/engines.py --engine vllm \
-        [--enable-mm-embeds] [--enable-prompt-embeds] < bodies.jsonl > views.jsonl
+        [--enable-mm-embeds] [--enable-prompt-embeds] [--supported image,video,audio] \
+        [--limit-mm-per-prompt '{"image": 2}'] < bodies.jsonl > views.jsonl
 
 What runs for real, and what stands in:
 
 vLLM (``vllm_view``)
-    ``ChatCompletionRequest.model_validate`` (the server's request model), then
+    ``ChatCompletionRequest`` validated as FastAPI does for the endpoint
+    (``TypeAdapter(...).validate_python(body, from_attributes=True)``), then
     ``parse_chat_messages_async`` (``vllm/renderers/chat_utils/chat_message.py``,
     the function the server's renderer calls) with its real per-message and
     per-part parsing (``parse_chat_message_content``, ``MM_PARSER_MAP``,
     ``parse_chat_message_content_mm_part``), the real async content parser and
     the real item tracker's ``add`` / ``_validate_add`` and ``_resolve_items``
-    (which refuses raw and embedding items of one modality together). Stand-ins:
+    (which refuses raw and embedding items of one modality together); refusals
+    get their status from vLLM's ``create_error_response``. Stand-ins:
     the model config (a namespace around a real ``MultiModalConfig``), the
     model class (``get_placeholder_str``), and the multimodal processor, whose
     ``validate_num_items`` is vLLM's own function run on stand-in limits. Items
@@ -35,12 +39,13 @@ vLLM (``vllm_view``)
     classification's).
 
 SGLang (``sglang_view``)
-    ``ChatCompletionRequest.model_validate`` (``sglang/srt/entrypoints/openai/
-    protocol.py``), then, per message, ``model_dump()`` and
+    ``ChatCompletionRequest`` (``sglang/srt/entrypoints/openai/protocol.py``)
+    validated as FastAPI does, the first check of ``_validate_request`` (empty
+    ``messages``), then, per message, ``model_dump()`` and
     ``process_content_for_template_format`` (``sglang/srt/parser/
     jinja_template_utils.py``), which is how the server's Jinja-template path
     (``OpenAIServingChat._apply_jinja_template``) collects ``image_data``,
-    ``video_data`` and ``audio_data``. Not run: ``OpenAIServingChat.
+    ``video_data`` and ``audio_data``. Not run: the rest of ``OpenAIServingChat.
     _validate_request`` (tools, context length; its import chain needs
     torchvision and tvm_ffi) and the named conversation-template path. Triton
     and IPython are imported by SGLang at module level but never used on this
