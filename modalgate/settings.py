@@ -119,6 +119,18 @@ class GatewaySettings(BaseSettings):
     log_level: LogLevel = Field("info", description="the lowest level logged")
 
 
+class RaySettings(BaseSettings):
+    """Where the Ray Serve encoder pool is and how the gateway calls it (``--encoder
+    ray:APP``): ``MODALGATE_RAY_*`` variables, read through this model like the rest."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX + "RAY_", extra="ignore", frozen=True)
+
+    address: str = Field("auto", description="the Ray cluster to join as a driver")
+    timeout_s: Seconds = Field(30.0, description="one call to the pool")
+    retries: int = Field(1, ge=0, description="calls retried on a lost replica")
+    coalesce_ms: float = Field(2.0, ge=0, description="window that joins concurrent requests")
+
+
 # What a policy file's ``server:`` section may set: every setting but the file's own place.
 NOT_IN_POLICY_FILE = frozenset({"policy"})
 

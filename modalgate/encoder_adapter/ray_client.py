@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import importlib
 import logging
-import os
 import threading
 import time
 import warnings
@@ -25,16 +24,14 @@ from typing import Any
 from modalgate.encoder_adapter.batching import Overloaded
 from modalgate.encoder_adapter.protocol import Encoded
 from modalgate.encoder_adapter.ray_serve import (
-    COALESCE_ENV,
     DEFAULT_APP,
-    RETRIES_ENV,
-    TIMEOUT_ENV,
     Batching,
     PoolReply,
     check_batching,
     connect,
 )
 from modalgate.errors import ErrorCode, Violation
+from modalgate.settings import RaySettings
 
 logger = logging.getLogger("modalgate.encoder.ray")
 
@@ -302,9 +299,10 @@ def ray_encoder(arg: str | None) -> RayServeEncoder:
     from ``MODALGATE_RAY_ADDRESS`` (default ``auto``); timeout, retries and the coalescing
     window from ``MODALGATE_RAY_TIMEOUT_S``, ``MODALGATE_RAY_RETRIES``,
     ``MODALGATE_RAY_COALESCE_MS``."""
+    settings = RaySettings()
     return RayServeEncoder(
         arg or DEFAULT_APP,
-        timeout_s=float(os.environ.get(TIMEOUT_ENV, "30")),
-        retries=int(os.environ.get(RETRIES_ENV, "1")),
-        coalesce_ms=float(os.environ.get(COALESCE_ENV, "2")),
+        timeout_s=settings.timeout_s,
+        retries=settings.retries,
+        coalesce_ms=settings.coalesce_ms,
     )

@@ -33,13 +33,11 @@ from typing import Any, Literal
 
 from modalgate.encoder_adapter.batching import Overloaded
 from modalgate.encoder_adapter.protocol import Encoded, EncoderAdapter
+from modalgate.settings import RaySettings
 
 logger = logging.getLogger("modalgate.encoder.ray")
 
-ADDRESS_ENV = "MODALGATE_RAY_ADDRESS"  # where the Ray cluster is; default "auto"
-TIMEOUT_ENV = "MODALGATE_RAY_TIMEOUT_S"
-RETRIES_ENV = "MODALGATE_RAY_RETRIES"
-COALESCE_ENV = "MODALGATE_RAY_COALESCE_MS"
+ADDRESS_ENV = "MODALGATE_RAY_ADDRESS"  # read through modalgate.settings.RaySettings
 DEFAULT_APP = "modalgate-encoder"
 DEPLOYMENT = "EncoderReplica"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -151,7 +149,7 @@ def connect(address: str | None = None) -> None:
 
     if not ray.is_initialized():
         ray.init(
-            address=address or os.environ.get(ADDRESS_ENV) or "auto",
+            address=address or RaySettings().address,
             log_to_driver=False,
             logging_level=logging.WARNING,
         )
