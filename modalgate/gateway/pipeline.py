@@ -10,7 +10,7 @@ remote media is the one I/O step, and an entry point may leave it out.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from modalgate.errors import Violation
@@ -55,11 +55,11 @@ class Decider:
             if verdict.routed_from is not None and verdict.accepted:
                 edits.append((("model",), verdict.model))
         if verdict.accepted and verdict.remote_parts and self.media is not None:
-            await self.media.fetch(verdict)
+            verdict = await self.media.fetch(verdict)
             if verdict.accepted and self.media.inline:
                 inlined = self.media.inlined(verdict)
                 if isinstance(inlined, Violation):
-                    verdict.violations.append(inlined)
+                    verdict = replace(verdict, violations=[*verdict.violations, inlined])
                 else:
                     edits += inlined
         if verdict.accepted and edits:

@@ -8,12 +8,14 @@ URL so the model server never downloads it a second time.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import anyio
 
 from modalgate.errors import ErrorCode, Violation
-from modalgate.media.fetch import FetchError, MediaFetcher
+from modalgate.media.fetch import Fetched, FetchError, MediaFetcher
 from modalgate.policy.models import MediaUrls
-from modalgate.validators import MediaPart, Verdict, check_fetched
+from modalgate.validators import Verdict, check_fetched
 from modalgate.validators.json_body import Location
 
 
@@ -22,42 +24,49 @@ class MediaStage:
         self.inline = rules.fetch and rules.inline_fetched
         self.fetcher = MediaFetcher(rules) if rules.fetch else None
 
-    async def fetch(self, verdict: Verdict) -> None:
-        """Fetch every remote part at once; failures and content problems become violations."""
+    async def fetch(self, verdict: Verdict) -> Verdict:
+        """A new verdict once every remote part is fetched (all at once): fetch failures
+        and content problems become its violations. ``verdict`` itself is not changed."""
         if self.fetcher is None or verdict.rule is None:
-            return
-        parts = verdict.remote_parts
-        failures: list[Violation | None] = [None] * len(parts)
+            return verdict
+        remote = [i for i, part in enumerate(verdict.parts) if part.url is not None]
+        results: dict[int, Fetched | Violation] = {}
         limits = verdict.rule.limits
 
-        async def one(index: int, part: MediaPart) -> None:
-            assert self.fetcher is not None and part.url is not None
+        async def one(index: int) -> None:
+            assert self.fetcher is not None
+            part = verdict.parts[index]
+            assert part.url is not None
             cap = limits.max_image_bytes if part.modality == "image" else limits.max_body_bytes
             cap = min(cap, limits.max_fetched_bytes)
             try:
-                fetched = await self.fetcher.fetch(part.url, max_bytes=cap, modality=part.modality)
+                results[index] = await self.fetcher.fetch(
+                    part.url, max_bytes=cap, modality=part.modality
+                )
             except FetchError as exc:
                 param = part.payload_param or part.param
-                failures[index] = Violation(exc.code, f"{param}: {exc.reason}", param)
-                return
-            part.data = fetched.data
-            part.mime = fetched.content_type or None
+                results[index] = Violation(exc.code, f"{param}: {exc.reason}", param)
 
         async with anyio.create_task_group() as group:
-            for index, part in enumerate(parts):
-                group.start_soon(one, index, part)
-        verdict.violations.extend(v for v in failures if v is not None)
-        fetched = sum(len(part.data or b"") for part in parts)
-        if verdict.accepted and fetched > limits.max_fetched_bytes:
-            verdict.violations.append(
-                Violation(
-                    ErrorCode.MEDIA_FETCH_FAILED,
-                    f"the request's remote media add up to {fetched} bytes; the limit is "
-                    f"{limits.max_fetched_bytes} bytes per request",
-                )
+            for index in remote:
+                group.start_soon(one, index)
+        failures = [results[i] for i in remote if isinstance(results[i], Violation)]
+        if failures:
+            return replace(verdict, violations=[*verdict.violations, *failures])
+        fetched = {
+            i: (r.data, r.content_type or None)
+            for i, r in results.items()
+            if isinstance(r, Fetched)
+        }
+        total = sum(len(data) for data, _ in fetched.values())
+        if total > limits.max_fetched_bytes:
+            too_much = Violation(
+                ErrorCode.MEDIA_FETCH_FAILED,
+                f"the request's remote media add up to {total} bytes; the limit is "
+                f"{limits.max_fetched_bytes} bytes per request",
             )
-        if verdict.accepted:
-            check_fetched(verdict)
+            return replace(verdict, violations=[*verdict.violations, too_much])
+        return check_fetched(verdict, fetched)
 
     def inlined(self, verdict: Verdict) -> list[tuple[Location, str]] | Violation:
         """Each fetched URL's place and data URL, or why the body would grow too large.

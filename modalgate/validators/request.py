@@ -11,6 +11,7 @@ reasoning or function calls, carry no media and pass).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Literal
 
 from modalgate.errors import (
@@ -174,14 +175,18 @@ def validate_request(
     return verdict
 
 
-def check_fetched(verdict: Verdict) -> None:
-    """Run the content checks on parts whose bytes were fetched after validation."""
+def check_fetched(verdict: Verdict, fetched: dict[int, tuple[bytes, str | None]]) -> Verdict:
+    """A new verdict for the bytes fetched after validation (``verdict.parts`` index ->
+    data, content type): those parts get the content checks a data URL gets."""
     assert verdict.rule is not None
-    for part in verdict.parts:
-        if part.url is not None and part.data is not None:
-            verdict.violations.extend(content_violations(part, verdict.rule))
-    if not verdict.violations:
-        verdict.violations.extend(budget_violations(verdict.parts, verdict.rule))
+    parts = list(verdict.parts)
+    violations = list(verdict.violations)
+    for index, (data, mime) in fetched.items():
+        parts[index] = replace(parts[index], data=data, mime=mime)
+        violations += content_violations(parts[index], verdict.rule)
+    if not violations:
+        violations += budget_violations(parts, verdict.rule)
+    return replace(verdict, parts=parts, violations=violations)
 
 
 def _walk_messages(messages: list[Any], rule: ResolvedRule, verdict: Verdict) -> None:
