@@ -172,8 +172,9 @@ def read_part(
             url, url_param = value, key_param
         media.inlinable = True
         if not isinstance(url, str):
-            problem = "must be a string" if isinstance(value, dict) else "must be an object"
-            return _bad(f"{problem} (a URL or a data URL)", url_param)
+            if isinstance(value, dict):
+                return _bad("must be a string (a URL or a data URL)", url_param)
+            return _bad("must be a URL string or an object with a string 'url'", url_param)
         return with_url(media, url, url_param)
     if kind.shape == "input_image":
         detail = part.get("detail")
