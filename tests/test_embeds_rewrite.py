@@ -26,6 +26,7 @@ from kimi_tiny import save_full_checkpoint
 from modalgate.encoder_adapter import BatchSettings, Overloaded
 from modalgate.encoder_adapter.local import KimiEncoderAdapter
 from modalgate.gateway.embeds import (
+    Embedded,
     rewrite_to_embeds,
     tensor_to_b64,
     unserved_embeds,
@@ -33,6 +34,7 @@ from modalgate.gateway.embeds import (
 from modalgate.policy import PolicyError, RuleMatcher, load_policy, parse_policy
 from modalgate.policy.models import EmbedsSpec
 from modalgate.validators import validate_body
+from modalgate.validators.json_body import locate
 
 POLICY = """
 models:
@@ -114,8 +116,17 @@ def reference(checkpoint, images: list[bytes]):
     return run(checkpoint, lambda adapter: adapter.encode(images))
 
 
-def rewrite(checkpoint, verdict, spec: EmbedsSpec, **settings):
+def rewrite(checkpoint, verdict, spec: EmbedsSpec, **settings) -> Embedded:
     return run(checkpoint, lambda adapter: rewrite_to_embeds(verdict, adapter, spec), **settings)
+
+
+def applied(request: dict, embedded: Embedded) -> dict:
+    """The request as the gateway forwards it: the rewrite's edits written into a copy."""
+    sent = copy.deepcopy(request)
+    for location, part in embedded.edits:
+        container, key = locate(sent, location)
+        container[key] = part
+    return orjson.loads(orjson.dumps(sent))
 
 
 # ---------------------------------------------------------------- the rewrite
@@ -133,9 +144,11 @@ def test_images_become_string_form_image_embeds_in_place(checkpoint):
     spec = verdict.rule.embeds
     assert spec == EmbedsSpec()
 
-    assert rewrite(checkpoint, verdict, spec) == []
+    embedded = rewrite(checkpoint, verdict, spec)
+    assert embedded.violations == []
 
-    sent = orjson.loads(orjson.dumps(verdict.request))
+    sent = applied(verdict.request, embedded)
+    assert verdict.request == original  # the verdict's own request is never changed
     content = sent["messages"][1]["content"]
     assert [part["type"] for part in content] == [
         "text",
@@ -166,9 +179,10 @@ def test_dict_form_carries_the_grid_and_the_dtype(checkpoint):
     spec = verdict.rule.embeds
     assert spec.grid_key == "image_grid_thw" and spec.dtype == "bfloat16"
 
-    assert rewrite(checkpoint, verdict, spec) == []
+    embedded = rewrite(checkpoint, verdict, spec)
+    assert embedded.violations == []
 
-    content = orjson.loads(orjson.dumps(verdict.request))["messages"][1]["content"]
+    content = applied(verdict.request, embedded)["messages"][1]["content"]
     expected = reference(checkpoint, [PNG, JPEG])
     for part, want in zip((content[0], content[2]), expected, strict=True):
         assert part["type"] == "image_embeds"
@@ -189,8 +203,10 @@ def test_a_bad_image_among_good_ones_is_named_and_nothing_is_rewritten(checkpoin
     original = request_with(image(PNG), text("x"), image(broken), image(JPEG, "image/jpeg"))
     verdict = verdict_for(copy.deepcopy(original))
 
-    violations = rewrite(checkpoint, verdict, EmbedsSpec())
+    embedded = rewrite(checkpoint, verdict, EmbedsSpec())
+    violations = embedded.violations
 
+    assert embedded.edits == []
     assert [(v.code.value, v.param) for v in violations] == [
         ("invalid_image", "messages.[1].content.[2].image_url.url")
     ]
@@ -207,8 +223,8 @@ def test_parts_without_bytes_are_refused_before_encoding(checkpoint):
     verdict = verdict_for(copy.deepcopy(original))
 
     async def work(adapter):
-        violations = await rewrite_to_embeds(verdict, adapter, EmbedsSpec())
-        return violations, adapter.batcher.items
+        embedded = await rewrite_to_embeds(verdict, adapter, EmbedsSpec())
+        return embedded.violations, adapter.batcher.items
 
     violations, encoded = run(checkpoint, work)
 
@@ -234,14 +250,14 @@ def test_embeddings_of_the_wrong_width_never_reach_the_upstream(checkpoint):
     verdict = verdict_for(copy.deepcopy(original))
     width = reference(checkpoint, [PNG])[0].embedding.shape[1]
 
-    violations = rewrite(checkpoint, verdict, EmbedsSpec(hidden_size=width + 1))
+    violations = rewrite(checkpoint, verdict, EmbedsSpec(hidden_size=width + 1)).violations
 
     assert [(v.code.value, v.param) for v in violations] == [
         ("encoder_error", "messages.[1].content.[1].image_url.url")
     ]
     assert "shape" not in violations[0].message  # no internals in client text
     assert verdict.request == original
-    assert rewrite(checkpoint, verdict, EmbedsSpec(hidden_size=width)) == []
+    assert rewrite(checkpoint, verdict, EmbedsSpec(hidden_size=width)).violations == []
 
 
 def test_the_clients_uuid_and_other_media_stay(checkpoint):
@@ -255,9 +271,10 @@ models:
     original = request_with(image(PNG, uuid="img-1"), audio, model="omni")
     verdict = verdict_for(copy.deepcopy(original), policy)
 
-    assert rewrite(checkpoint, verdict, EmbedsSpec(dtype="float16")) == []
+    embedded = rewrite(checkpoint, verdict, EmbedsSpec(dtype="float16"))
+    assert embedded.violations == []
 
-    first, second = verdict.request["messages"][1]["content"]
+    first, second = applied(verdict.request, embedded)["messages"][1]["content"]
     assert first["uuid"] == "img-1" and first["type"] == "image_embeds"
     assert load(first["image_embeds"]).dtype == torch.float16
     assert second == original["messages"][1]["content"][1]
@@ -266,7 +283,7 @@ models:
 def test_a_request_without_images_is_left_alone(checkpoint):
     original = request_with(text("only text"))
     verdict = verdict_for(copy.deepcopy(original))
-    assert rewrite(checkpoint, verdict, EmbedsSpec()) == []
+    assert rewrite(checkpoint, verdict, EmbedsSpec()) == Embedded([], [])
     assert verdict.request == original
 
 

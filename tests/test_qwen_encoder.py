@@ -322,9 +322,12 @@ models:
         direct = await adapter.encode(images)
         return direct, await rewrite_to_embeds(verdict, adapter, spec)
 
-    direct, violations = run(create_encoder(verdict.rule.encoder), work)
-    assert violations == []
-    parts = orjson.loads(orjson.dumps(verdict.request))["messages"][0]["content"][1:]
+    direct, embedded = run(create_encoder(verdict.rule.encoder), work)
+    assert embedded.violations == []
+    assert [location for location, _ in embedded.edits] == [
+        ("messages", 0, "content", i) for i in (1, 2, 3)
+    ]
+    parts = orjson.loads(orjson.dumps([part for _, part in embedded.edits]))
     _, grids = reference(qwen25[1], images)
     for part, result, grid in zip(parts, direct, grids, strict=True):
         assert part["type"] == "image_embeds"

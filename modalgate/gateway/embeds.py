@@ -12,8 +12,8 @@ its encoder adapter and replaces each image part, in place, by the part vLLM tak
 ``torch.load(weights_only=True)`` reads): the embedding ``[tokens, hidden]`` per image,
 the grid a ``(3,)`` int64 ``t, h, w`` tensor. See docs/embeds.md for the sources.
 
-The rewrite is all or nothing: on any violation the request is left as it came, so the
-upstream never sees raw images and embeddings mixed (vLLM refuses that mix).
+The rewrite is all or nothing: on any violation there are no edits, so the upstream never
+sees raw images and embeddings mixed (vLLM refuses that mix).
 
 torch is optional (the ``encoder`` extra): it is imported inside the functions that need
 it, so importing this module costs nothing on a gateway that never rewrites.
@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
@@ -32,6 +33,7 @@ import pybase64
 from modalgate.encoder_adapter.protocol import EncoderAdapter
 from modalgate.errors import ErrorCode, Violation
 from modalgate.policy.models import EmbedsSpec, ModelRule
+from modalgate.validators.json_body import Location, location_of
 from modalgate.validators.verdict import MediaPart, Verdict
 
 if TYPE_CHECKING:
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from modalgate.encoder_adapter.protocol import Encoded
 
 __all__ = [
+    "Embedded",
     "EmbedsSpec",
     "embeds_image_part",
     "rewrite_to_embeds",
@@ -93,23 +96,32 @@ def embeds_image_part(
     return part
 
 
+@dataclass(frozen=True, slots=True)
+class Embedded:
+    """The violations (each with the part's param), or, when there are none, each image
+    part's place in the request and the ``image_embeds`` part that goes there instead."""
+
+    violations: list[Violation]
+    edits: list[tuple[Location, dict[str, Any]]]
+
+
 async def rewrite_to_embeds(
     verdict: Verdict, adapter: EncoderAdapter, spec: EmbedsSpec
-) -> list[Violation]:
-    """Replace every image part of ``verdict.request`` by its ``image_embeds`` part.
+) -> Embedded:
+    """The ``image_embeds`` part for every image part of the request; nothing is changed
+    in place (the caller writes the edits into the body it forwards).
 
     All images go to the adapter in one ``encode`` call (it batches and caches them).
-    Returns the violations, each with the part's param; empty means the request was
-    rewritten in place. ``batching.Overloaded`` propagates: the caller answers 503
-    with Retry-After. Serialising the tensors (megabytes each) runs in a worker thread.
-    Call it after remote images were fetched: a part without bytes cannot be encoded.
+    ``batching.Overloaded`` propagates: the caller answers 503 with Retry-After.
+    Serialising the tensors (megabytes each) runs in a worker thread. Call it after
+    remote images were fetched: a part without bytes cannot be encoded.
     """
     request = verdict.request
     if request is None or not verdict.accepted:
         raise ValueError("rewrite_to_embeds needs an accepted verdict with its request")
     images = [part for part in verdict.parts if part.modality == "image"]
     if not images:
-        return []
+        return Embedded([], [])
     slots: list[tuple[list[Any], int]] = []
     problems: list[Violation] = []
     for part in images:
@@ -130,7 +142,7 @@ async def rewrite_to_embeds(
         else:
             slots.append(slot)
     if problems:
-        return problems
+        return Embedded(problems, [])
     results = await adapter.encode([part.data or b"" for part in images])
     problems = [
         problem
@@ -138,12 +150,11 @@ async def rewrite_to_embeds(
         if (problem := _problem(result, part, spec)) is not None
     ]
     if problems:
-        return problems
+        return Embedded(problems, [])
     uuids = [_uuid(container[index]) for container, index in slots]
     embedded = await anyio.to_thread.run_sync(_build_parts, results, uuids, spec)
-    for (container, index), new_part in zip(slots, embedded, strict=True):
-        container[index] = new_part
-    return []
+    places = [location_of(part.param) for part in images]
+    return Embedded([], list(zip(places, embedded, strict=True)))
 
 
 def unserved_embeds(

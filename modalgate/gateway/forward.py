@@ -20,7 +20,7 @@ from modalgate.gateway.responses import send_error, send_json
 from modalgate.gateway.routes import Upstreams
 from modalgate.policy.models import EmbedsSpec, EndpointKind
 from modalgate.validators import Verdict
-from modalgate.validators.json_body import locate, location_of, rewrite_json_body
+from modalgate.validators.json_body import rewrite_json_body
 
 AdapterLookup = Callable[[str | None], EncoderAdapter | None]
 
@@ -76,7 +76,7 @@ class Forwarder:
             await send_error(send, [violation])
             return None
         try:
-            violations = await rewrite_to_embeds(verdict, adapter, embeds)
+            embedded = await rewrite_to_embeds(verdict, adapter, embeds)
         except Overloaded as exc:
             violation = Violation(
                 ErrorCode.ENCODER_OVERLOADED, "the encoder is busy; retry shortly"
@@ -84,17 +84,11 @@ class Forwarder:
             retry = str(int(exc.retry_after_s)).encode()
             await send_json(send, 503, error_json([violation]), [(b"retry-after", retry)])
             return None
-        if violations:
-            await send_error(send, violations)
+        if embedded.violations:
+            await send_error(send, embedded.violations)
             return None
         # The new parts go into the body as received; the rest of it stays as sent.
-        edits = []
-        for part in verdict.parts:
-            if part.modality == "image":
-                location = location_of(part.param)
-                container, key = locate(verdict.request, location)
-                edits.append((location, container[key]))
-        return await anyio.to_thread.run_sync(rewrite_json_body, body, edits)
+        return await anyio.to_thread.run_sync(rewrite_json_body, body, embedded.edits)
 
 
 def _no_route(scope: Scope, verdict: Verdict | None) -> Violation:
