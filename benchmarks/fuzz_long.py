@@ -317,7 +317,7 @@ class LoggedErrors(logging.Handler):
         if record.levelno < logging.ERROR and record.exc_info is None:
             return
         try:
-            from modalgate.gateway.logs import request_id_var
+            from modalgate.gateway.observability.logs import request_id_var
 
             request_id = request_id_var.get()
         except ImportError:

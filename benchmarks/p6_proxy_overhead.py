@@ -10,7 +10,7 @@ small ``chat.completion`` JSON, or with ``"stream": true`` an SSE stream of N
 The gateway is ``python -m modalgate.gateway.cli serve --upstream URL --port P
 --log-level warning --no-access-log`` with the built-in policy, in its own
 process: the real ``modalgate serve`` stack (RequestId -> ModalGate -> router
--> UpstreamProxy, one pooled aiohttp client per upstream: gateway/upstream_pool.py).
+-> UpstreamProxy, one pooled aiohttp client per upstream: gateway/upstream/pool.py).
 
 Throughput: wrk (``-t1 -c32``, same ~300-byte text-only kimi-k3 body and Lua
 script as P1) at the upstream directly and at the gateway in turn, in

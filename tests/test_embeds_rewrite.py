@@ -25,7 +25,7 @@ from conftest import WAV_BYTES, b64, data_url, png_bomb
 from kimi_tiny import save_full_checkpoint
 from modalgate.encoder_adapter import BatchSettings, Overloaded
 from modalgate.encoder_adapter.local import KimiEncoderAdapter
-from modalgate.gateway.embeds import (
+from modalgate.gateway.service.embeds import (
     Embedded,
     rewrite_to_embeds,
     tensor_to_b64,
@@ -312,7 +312,7 @@ def test_tensor_to_b64_writes_only_the_tensors_own_rows():
 def test_the_module_imports_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import modalgate.gateway.embeds as m\n"
+        "import modalgate.gateway.service.embeds as m\n"
         "print(m.rewrite_to_embeds.__name__)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -20,7 +20,7 @@ from conftest import MP4_BYTES, chat, data_url, image_bytes, image_part
 from gateway_proc import GatewayProcess
 from modalgate.errors import error_body
 from modalgate.gateway.cli import main
-from modalgate.gateway.pipeline import Decider
+from modalgate.gateway.gate.pipeline import Decider
 from modalgate.policy import RuleMatcher, load_policy
 
 PNG = image_bytes("PNG", (40, 30))

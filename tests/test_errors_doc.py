@@ -463,7 +463,7 @@ MESSAGES: list[tuple[str, str, Producer]] = [
 # Quoted messages no test here produces, and why.
 UNPRODUCED = {
     # The write timeout is 60 s by default; the message is made by the same line as the
-    # upstream_timeout example (modalgate.gateway.proxy._violation), and
+    # upstream_timeout example (modalgate.gateway.upstream.proxy._violation), and
     # test_proxy.py produces it with a 1 s write timeout and a 20 MB body.
     "the upstream did not take the request body within 60 s",
 }

@@ -24,16 +24,16 @@ from conftest import MP4_BYTES, b64, body, chat, data_url, image_bytes, image_pa
 from modalgate import ModalGate
 from modalgate.encoder_adapter import BatchSettings, EmbeddingCache, MicroBatcher
 from modalgate.errors import ErrorCode, Violation
-from modalgate.gateway.logs import (
+from modalgate.gateway.gate.outcome import GateOutcome
+from modalgate.gateway.observability.logs import (
     JsonFormatter,
     configure_logging,
     log_outcome,
     request_id_var,
     uvicorn_log_config,
 )
-from modalgate.gateway.metrics import GatewayMetrics, metrics_endpoint
-from modalgate.gateway.outcome import GateOutcome
-from modalgate.gateway.request_id import RequestId
+from modalgate.gateway.observability.metrics import GatewayMetrics, metrics_endpoint
+from modalgate.gateway.observability.request_id import RequestId
 
 # ---------------------------------------------------------------- helpers
 

@@ -40,7 +40,7 @@ from conftest import data_url, noise_png
 from modalgate.encoder_adapter import BatchSettings, available, create_encoder, transformers_encoder
 from modalgate.encoder_adapter import qwen as qwen_module
 from modalgate.encoder_adapter.qwen import EncoderLoadError, QwenEncoderAdapter
-from modalgate.gateway.embeds import rewrite_to_embeds
+from modalgate.gateway.service.embeds import rewrite_to_embeds
 from modalgate.policy import RuleMatcher, parse_policy
 from modalgate.policy.models import EmbedsSpec, TokenSpec
 from modalgate.validators import validate_body

@@ -1,6 +1,17 @@
-"""Stage one and the exits of the flow: the ASGI middleware, the standalone app, the CLI."""
+"""Stage one and the exits of the flow, one room per job.
 
-from modalgate.gateway.middleware import (
+- ``gate/``: the ASGI middleware (``ModalGate``) and the one decision it takes per
+  request (``pipeline``: parse, validate, fall back, fetch, inline), path
+  normalisation, the error responses it sends;
+- ``upstream/``: the reverse proxy, its connection pool, the balancer over
+  per-model routes, and the forwarder that picks a route and rewrites to embeddings;
+- ``service/``: the gateway's own endpoints (models catalog, ``/v1/encode``,
+  health) and the encoder-side embeds rewrite;
+- ``observability/``: metrics, logs, request ids;
+- ``app.py`` assembles them (``create_app``), ``cli.py`` is ``modalgate``.
+"""
+
+from modalgate.gateway.gate.middleware import (
     DEFAULT_PATHS,
     DEFAULT_RESPONSES_PATHS,
     ModalGate,

@@ -28,25 +28,25 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modalgate.encoder_adapter import EncoderAdapter, create_encoder
 from modalgate.errors import ErrorCode, Violation
-from modalgate.gateway.catalog import ModelCatalog
-from modalgate.gateway.embeds import unserved_embeds
-from modalgate.gateway.encode import ENCODE_PATH, encode_endpoint
-from modalgate.gateway.forward import Forwarder
-from modalgate.gateway.health import Readiness
-from modalgate.gateway.logs import configure_logging, log_outcome
-from modalgate.gateway.metrics import GatewayMetrics, metrics_endpoint
-from modalgate.gateway.middleware import (
+from modalgate.gateway.gate.middleware import (
     DEFAULT_PATHS,
     DEFAULT_RESPONSES_PATHS,
     ModalGate,
     get_verdict,
 )
-from modalgate.gateway.outcome import GateOutcome
-from modalgate.gateway.proxy import UpstreamSettings
+from modalgate.gateway.gate.outcome import GateOutcome
+from modalgate.gateway.gate.send import json_bytes, send_error
+from modalgate.gateway.observability.logs import configure_logging, log_outcome
+from modalgate.gateway.observability.metrics import GatewayMetrics, metrics_endpoint
+from modalgate.gateway.observability.request_id import RequestId
 from modalgate.gateway.reload import PolicyReloader
-from modalgate.gateway.request_id import RequestId
-from modalgate.gateway.responses import json_bytes, send_error
-from modalgate.gateway.routes import Upstreams
+from modalgate.gateway.service.catalog import ModelCatalog
+from modalgate.gateway.service.embeds import unserved_embeds
+from modalgate.gateway.service.encode import ENCODE_PATH, encode_endpoint
+from modalgate.gateway.service.health import Readiness
+from modalgate.gateway.upstream.balancer import Upstreams
+from modalgate.gateway.upstream.forward import Forwarder
+from modalgate.gateway.upstream.proxy import UpstreamSettings
 from modalgate.policy import Policy, ResolvedRule, RuleMatcher, load_policy
 from modalgate.settings import GatewaySettings, load_settings, policy_location
 

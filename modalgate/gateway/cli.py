@@ -116,7 +116,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from modalgate.gateway.app import StartupError, create_app
-    from modalgate.gateway.logs import configure_logging, uvicorn_log_config
+    from modalgate.gateway.observability.logs import configure_logging, uvicorn_log_config
     from modalgate.settings import load_settings, policy_location
 
     flags = {name: getattr(args, name) for name in GatewaySettings.model_fields}
@@ -179,8 +179,8 @@ def _decided(body: bytes, policy: Policy, args: argparse.Namespace) -> Verdict:
     """The gateway's own decision (fallback included); remote media fetched with --fetch."""
     import anyio
 
-    from modalgate.gateway.pipeline import Decider
-    from modalgate.gateway.remote_media import MediaStage
+    from modalgate.gateway.gate.pipeline import Decider
+    from modalgate.gateway.gate.remote_media import MediaStage
 
     async def decide() -> Verdict:
         media = MediaStage(policy.media_urls) if args.fetch else None

@@ -20,8 +20,8 @@ from starlette.types import Receive
 
 from modalgate.encoder_adapter import EncoderAdapter, Overloaded
 from modalgate.errors import ErrorCode, Violation, error_json, status_of
-from modalgate.gateway.middleware import get_verdict
-from modalgate.gateway.responses import json_bytes
+from modalgate.gateway.gate.middleware import get_verdict
+from modalgate.gateway.gate.send import json_bytes
 from modalgate.validators import MediaPart, Verdict
 
 ENCODE_PATH = "/v1/encode"

@@ -25,8 +25,8 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, error_body
-from modalgate.gateway.responses import send_error
-from modalgate.gateway.upstream_pool import UpstreamPool, UpstreamResponse
+from modalgate.gateway.gate.send import send_error
+from modalgate.gateway.upstream.pool import UpstreamPool, UpstreamResponse
 
 logger = logging.getLogger("modalgate.proxy")
 

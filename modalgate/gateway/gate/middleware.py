@@ -19,11 +19,11 @@ import anyio.to_thread
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, payload_too_large
-from modalgate.gateway.outcome import GateOutcome, OutcomeObserver
-from modalgate.gateway.paths import with_normalized_path
-from modalgate.gateway.pipeline import Decider
-from modalgate.gateway.remote_media import MediaStage
-from modalgate.gateway.responses import send_error
+from modalgate.gateway.gate.outcome import GateOutcome, OutcomeObserver
+from modalgate.gateway.gate.paths import with_normalized_path
+from modalgate.gateway.gate.pipeline import Decider
+from modalgate.gateway.gate.remote_media import MediaStage
+from modalgate.gateway.gate.send import send_error
 from modalgate.policy import Policy, RuleMatcher, load_policy
 from modalgate.policy.endpoints import EndpointTable
 from modalgate.validators import Verdict

@@ -20,8 +20,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from modalgate.errors import ErrorCode, Violation, error_json
-from modalgate.gateway.responses import json_bytes
-from modalgate.gateway.routes import Target, Upstreams
+from modalgate.gateway.gate.send import json_bytes
+from modalgate.gateway.upstream.balancer import Target, Upstreams
 from modalgate.policy import RuleMatcher
 from modalgate.policy.matching import ResolvedRule
 

@@ -15,9 +15,9 @@ from starlette.types import Message, Receive, Scope, Send
 
 from modalgate.encoder_adapter import EncoderAdapter, Overloaded
 from modalgate.errors import ErrorCode, Violation, error_json
-from modalgate.gateway.middleware import get_verdict, with_content_length
-from modalgate.gateway.responses import send_error, send_json
-from modalgate.gateway.routes import Upstreams
+from modalgate.gateway.gate.middleware import get_verdict, with_content_length
+from modalgate.gateway.gate.send import send_error, send_json
+from modalgate.gateway.upstream.balancer import Upstreams
 from modalgate.policy.models import EmbedsSpec, EndpointKind
 from modalgate.validators import Verdict
 from modalgate.validators.json_body import rewrite_json_body
@@ -67,7 +67,7 @@ class Forwarder:
         self, verdict: Verdict, embeds: EmbedsSpec, body: bytes, send: Send
     ) -> bytes | None:
         """The body with image_embeds parts; None once an error has been sent."""
-        from modalgate.gateway.embeds import rewrite_to_embeds
+        from modalgate.gateway.service.embeds import rewrite_to_embeds
 
         assert verdict.rule is not None
         adapter = self.adapter_for(verdict.rule.encoder)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from modalgate.errors import Violation
-from modalgate.gateway.remote_media import MediaStage
+from modalgate.gateway.gate.remote_media import MediaStage
 from modalgate.policy import RuleMatcher
 from modalgate.validators import Verdict, validate_body, with_fallback
 from modalgate.validators.json_body import Location, rewrite_json_body

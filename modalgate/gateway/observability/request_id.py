@@ -21,7 +21,7 @@ from uuid import uuid4
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from modalgate.gateway.logs import request_id_var
+from modalgate.gateway.observability.logs import request_id_var
 
 STATE_KEY = "request_id"
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
@@ -71,10 +71,10 @@ class RequestId:
         headers.append((self.header, raw_id))  # one value: the one the app and upstream see
         scope = dict(scope, headers=headers)
         scope.setdefault("state", {})[STATE_KEY] = request_id
-        await _Exchange(self, scope, request_id, raw_id)(receive, send)
+        await _LoggedExchange(self, scope, request_id, raw_id)(receive, send)
 
 
-class _Exchange:
+class _LoggedExchange:
     """One request's state: its id, the status sent, the clock."""
 
     def __init__(self, owner: RequestId, scope: Scope, request_id: str, raw_id: bytes) -> None:

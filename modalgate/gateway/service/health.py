@@ -10,8 +10,8 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from modalgate.gateway.responses import json_bytes
-from modalgate.gateway.routes import Upstreams
+from modalgate.gateway.gate.send import json_bytes
+from modalgate.gateway.upstream.balancer import Upstreams
 
 PROBE_MAX_AGE_S = 1.0
 

@@ -19,7 +19,7 @@ import anyio
 import httpx
 from starlette.types import Receive, Scope, Send
 
-from modalgate.gateway.proxy import UpstreamObserver, UpstreamProxy, UpstreamSettings
+from modalgate.gateway.upstream.proxy import UpstreamObserver, UpstreamProxy, UpstreamSettings
 from modalgate.policy.matching import ResolvedRule
 from modalgate.policy.models import ModelRule, UpstreamTarget
 
@@ -45,7 +45,7 @@ class Target:
 
 
 @dataclass(frozen=True, eq=False)
-class Route:
+class UpstreamRoute:
     name: str
     targets: tuple[tuple[Target, int], ...]  # (target, weight)
 
@@ -94,7 +94,7 @@ class Upstreams:
         self.default = (
             self._route(DEFAULT_ROUTE, [UpstreamTarget(url=default)]) if default else None
         )
-        self.by_rule: dict[str, Route] = {}
+        self.by_rule: dict[str, UpstreamRoute] = {}
 
     def _target(self, url: str) -> Target:
         if url not in self.targets:
@@ -107,8 +107,8 @@ class Upstreams:
             self.targets[url] = Target(url, proxy)
         return self.targets[url]
 
-    def _route(self, name: str, targets: Iterable[UpstreamTarget]) -> Route:
-        return Route(name, tuple((self._target(t.url), t.weight) for t in targets))
+    def _route(self, name: str, targets: Iterable[UpstreamTarget]) -> UpstreamRoute:
+        return UpstreamRoute(name, tuple((self._target(t.url), t.weight) for t in targets))
 
     def use_policy(self, rules: Iterable[ModelRule]) -> list[Target]:
         """Routes for the rules of the gateway's mode (``RuleMatcher.rules``); returns
@@ -123,10 +123,10 @@ class Upstreams:
         return retired
 
     @property
-    def routes(self) -> list[Route]:
+    def routes(self) -> list[UpstreamRoute]:
         return [*self.by_rule.values(), *([self.default] if self.default else [])]
 
-    def route_for(self, rule: ResolvedRule | None) -> Route | None:
+    def route_for(self, rule: ResolvedRule | None) -> UpstreamRoute | None:
         if rule is not None and rule.known and rule.name in self.by_rule:
             return self.by_rule[rule.name]
         return self.default

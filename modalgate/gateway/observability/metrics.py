@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 
-from modalgate.gateway.outcome import GateOutcome
+from modalgate.gateway.gate.outcome import GateOutcome
 
 # Validation is tens of microseconds for a text request, seconds for a remote fetch.
 VALIDATION_BUCKETS = (

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import orjson
 
-from modalgate.gateway.outcome import GateOutcome
+from modalgate.gateway.gate.outcome import GateOutcome
 
 request_id_var: ContextVar[str | None] = ContextVar("modalgate_request_id", default=None)
 

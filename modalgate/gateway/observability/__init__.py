@@ -1,0 +1,1 @@
+"""Metrics, logs and request ids: how the gateway reports what it did."""

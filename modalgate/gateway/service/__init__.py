@@ -1,0 +1,1 @@
+"""The gateway's own endpoints: models catalog, /v1/encode, health, the embeds rewrite."""
