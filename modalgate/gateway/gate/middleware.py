@@ -1,10 +1,14 @@
 """``ModalGate``: pure ASGI middleware that refuses bad multimodal requests at the door.
 
-Only POST requests on the configured paths are read; everything else (other
-paths, websockets, lifespan) goes straight to the app, so streaming and
-upgrades work exactly as without the gate. An accepted body is replayed to the
-app byte for byte, then the app's ``receive`` continues with the real channel,
-so ``http.disconnect`` still arrives when the client goes away.
+The path is normalised first (and passed on normalised), so no spelling of a
+gated path slips by. POST bodies on the gated paths (the chat and Responses
+paths given here, and the policy's ``endpoints`` that read a body) go through the
+one decision (``pipeline.Decider``); a body sent there with another method is
+refused (405). Everything else (other paths, websockets, lifespan) goes straight
+to the app, so streaming and upgrades work exactly as without the gate. An
+accepted body is replayed to the app (as received, or as a rewrite changed it),
+then the app's ``receive`` continues with the real channel, so
+``http.disconnect`` still arrives when the client goes away.
 """
 
 from __future__ import annotations
