@@ -64,11 +64,13 @@ class UpstreamRoute:
     def up(self) -> bool:
         return any(target.healthy for target, _ in self.targets)
 
-    async def forward(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """One exchange with a target picked by weight; the next one when it cannot be
+        reached (the request never left), the last one answers whatever happens."""
         order = self.order()
         for index, target in enumerate(order):
             last = index == len(order) - 1
-            if await target.proxy.forward(
+            if await target.proxy.exchange(
                 scope, receive, send, route=self.name, fail_over=not last
             ):
                 return

@@ -51,7 +51,7 @@ class Forwarder:
         embeds = verdict.rule.embeds if verdict is not None and verdict.rule is not None else None
         images = verdict is not None and any(p.modality == "image" for p in verdict.parts)
         if verdict is None or embeds is None or not images:
-            await route.forward(scope, receive, send)
+            await route.dispatch(scope, receive, send)
             return
         if verdict.api == "responses":
             await send_error(send, [_no_embeds_in_responses(verdict)])
@@ -61,7 +61,7 @@ class Forwarder:
         if rewritten is None:
             return
         scope = dict(scope, headers=with_content_length(scope, len(rewritten)))
-        await route.forward(scope, _body_then(rewritten, receive), send)
+        await route.dispatch(scope, _body_then(rewritten, receive), send)
 
     async def _rewrite(
         self, verdict: Verdict, embeds: EmbedsSpec, body: bytes, send: Send

@@ -110,9 +110,9 @@ class UpstreamProxy:
         await self.transport.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.forward(scope, receive, send)
+        await self.exchange(scope, receive, send)
 
-    async def forward(
+    async def exchange(
         self,
         scope: Scope,
         receive: Receive,
@@ -121,8 +121,9 @@ class UpstreamProxy:
         route: str = "default",
         fail_over: bool = False,
     ) -> bool:
-        """Forward one request; False (and nothing sent) when ``fail_over`` is set and the
-        upstream could not be reached: the request never left, so another may take it."""
+        """One request and its response with this upstream; False (and nothing sent) when
+        ``fail_over`` is set and the upstream could not be reached: the request never
+        left, so another may take it."""
         if scope["type"] != "http":
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1003})
