@@ -2,10 +2,11 @@
 
 Pure and synchronous: bytes and a compiled policy in, a Verdict out. The walk
 knows only what gates need (model, roles, content parts); every other field is
-the server's business and passes untouched. Two request shapes: Chat
-Completions (``messages``) and the Responses API (``input``: a string, or items
-of which messages and tool outputs carry content parts; other items, such as
-reasoning or function calls, carry no media and pass).
+the server's business and passes untouched. Request shapes: Chat Completions
+(``messages``), the Responses API (``input``: a string, or items; every item
+that carries content or an image is walked, and one of an unknown type that
+carries content is refused), and the engines' other doors (``endpoints.py``).
+The JSON is parsed once, duplicate keys refused (``json_body.py``).
 """
 
 from __future__ import annotations
