@@ -33,12 +33,27 @@ class Recorder:
         self.batches: list[list[int]] = []
         self.gate = gate
         self.fail_on = fail_on
+        self.started = threading.Event()  # set when the model thread has taken a batch
 
     def __call__(self, items: list[int]) -> list[int | BaseException]:
+        self.started.set()
         if self.gate is not None:
             self.gate.wait(10)
         self.batches.append(list(items))
         return [ValueError("bad item") if i == self.fail_on else i * 10 for i in items]
+
+
+async def in_model_thread(recorder: Recorder) -> None:
+    """Until the model thread has taken a batch (and is held at the recorder's gate)."""
+    assert await asyncio.to_thread(recorder.started.wait, 10), "no batch reached the model"
+
+
+async def until(condition, timeout: float = 10.0) -> None:
+    """Until ``condition()`` holds: it changes on this event loop, so yield until it does."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.001)
 
 
 def test_results_land_on_their_requests_in_batches():
@@ -97,9 +112,9 @@ def test_full_queue_is_refused_with_a_retry_hint():
     async def main():
         batcher = MicroBatcher(recorder, BatchSettings(max_items=1, max_queue=3, max_wait_ms=0))
         first = asyncio.ensure_future(batcher.submit(0))
-        await asyncio.sleep(0.05)  # the first item is now in the model thread
+        await in_model_thread(recorder)  # the first item is now in the model thread
         queued = [asyncio.ensure_future(batcher.submit(i)) for i in (1, 2, 3)]
-        await asyncio.sleep(0.01)
+        await until(lambda: batcher.queue_depth == 3)
         with pytest.raises(Overloaded) as caught:
             await batcher.submit(4)
         gate.set()
@@ -119,12 +134,13 @@ def test_a_cancelled_request_never_reaches_the_model():
     async def main():
         batcher = MicroBatcher(recorder, BatchSettings(max_items=1, max_wait_ms=0))
         first = asyncio.ensure_future(batcher.submit(1))
-        await asyncio.sleep(0.05)
+        await in_model_thread(recorder)
         abandoned = asyncio.ensure_future(batcher.submit(2))
         kept = asyncio.ensure_future(batcher.submit(3))
-        await asyncio.sleep(0.01)
+        await until(lambda: batcher.queue_depth == 2)
         abandoned.cancel()  # the client went away while queued
-        await asyncio.sleep(0.01)  # cancellation lands at the task's next step
+        await asyncio.wait([abandoned], timeout=10)  # cancellation lands at the task's next step
+        assert abandoned.cancelled()
         gate.set()
         results = await asyncio.gather(first, kept)
         await batcher.close()

@@ -40,8 +40,8 @@ class Upstream:
     async def _stream(self):
         yield _sse(_chunk("first"))
         # The rest waits for the client to have read the first token: proof of no buffering.
-        while not self.release_stream.is_set():
-            await asyncio.sleep(0.01)
+        if not await asyncio.to_thread(self.release_stream.wait, 10):
+            raise RuntimeError("the client never read the first token")
         yield _sse(_chunk(" second"))
         yield b"data: [DONE]\n\n"
 

@@ -234,8 +234,10 @@ def test_encoder_figures_come_from_a_real_batcher_and_cache():
 def test_queue_depth_is_read_at_scrape_time():
     metrics = GatewayMetrics()
     gate = threading.Event()
+    started = threading.Event()
 
     def blocked(items: list[int]) -> list[int]:
+        started.set()
         gate.wait(10)
         return items
 
@@ -243,8 +245,11 @@ def test_queue_depth_is_read_at_scrape_time():
         batcher = MicroBatcher(blocked, BatchSettings(max_items=1, max_wait_ms=0))
         metrics.watch_encoder(TinyAdapter(batcher, EmbeddingCache()), "kimi")
         tasks = [asyncio.create_task(batcher.submit(i)) for i in range(3)]
+        assert await asyncio.to_thread(started.wait, 10), "no batch reached the model"
+        deadline = time.monotonic() + 10
         while batcher.queue_depth != 2:  # the first is in the model thread
-            await asyncio.sleep(0.005)
+            assert time.monotonic() < deadline, batcher.queue_depth
+            await asyncio.sleep(0.001)
         depth = value(metrics, "modalgate_encoder_queue_depth", encoder="kimi")
         gate.set()
         await asyncio.gather(*tasks)
@@ -530,11 +535,8 @@ def test_a_streamed_response_is_not_buffered():
     async def streaming(scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"one;", "more_body": True})
-        deadline = time.monotonic() + 2  # under httpx's 5 s read timeout
-        while not first_seen.is_set() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await asyncio.to_thread(first_seen.wait, 2)  # under httpx's 5 s read timeout
         await send({"type": "http.response.body", "body": b"two;", "more_body": True})
-        await asyncio.sleep(0.01)
         sent_last_after_first_seen.append(first_seen.is_set())
         await send({"type": "http.response.body", "body": b"three", "more_body": False})
 

@@ -189,8 +189,10 @@ def test_an_ipv6_upstream_is_reached():
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
+        deadline = time.monotonic() + 10
         while not server.started:
             assert thread.is_alive(), "uvicorn did not start on ::1"
+            assert time.monotonic() < deadline, "uvicorn did not start on ::1 in time"
             time.sleep(0.01)
         with GatewayProcess("--upstream", f"http://[::1]:{port}") as gateway:
             response = httpx.post(gateway.url + "/v1/chat/completions", content=CHAT, headers=JSON)
