@@ -19,15 +19,23 @@ Ratio = reference time / KimiPreprocessor time on 1920x1080 with the K3 settings
 (per round: median of the reps). Target: >= 3. Rows for 640x480 and 4000x3000
 are printed as context.
 
+The plane reader's worth is measured too (context, no target): with it
+(``modalgate.media.pillow_planes`` reading Pillow's memory in place) and without it
+(its copy fallback: ``tobytes`` per plane, ``np.asarray`` for a resize's input,
+what runs where Pillow has no Arrow export), alternated, on the read alone and on
+the whole call: 1920x1080 K3 (planes, no resize) and 2560x1440 K2.5 (a resize of
+pixels in one Pillow block; 4000x3000 RGB is in several, so always copied).
+
 Usage: .venv/bin/python benchmarks/p4_kimi_preprocess.py [--quick] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +54,7 @@ from transformers.models.kimi_k25.image_processing_kimi_k25 import Kimi_K25Image
 
 import modalgate.encoder_adapter.kimi as kimi
 from modalgate.encoder_adapter.kimi import KimiPreprocessor
+from modalgate.media import pillow_planes
 
 NAME = "p4_kimi_preprocess"
 TARGET = 3.0
@@ -76,6 +85,8 @@ K3 = Settings("K3", 65536)
 K25 = Settings("K2.5", 16384)
 # (width, height, settings); the headline first.
 ROWS = ((*HEADLINE, K3), (640, 480, K3), (4000, 3000, K3), (4000, 3000, K25))
+# The plane reader with and without: (width, height, settings, the reader's function).
+READER_ROWS = ((*HEADLINE, K3, "planes"), (2560, 1440, K25, "pixels"))
 
 
 def photo_like(width: int, height: int, seed: int = 0) -> Image.Image:
@@ -127,7 +138,7 @@ def ours_by_stage(
 ) -> list[tuple[str, float]]:
     """Where KimiPreprocessor's time goes on one image (median seconds per stage, warm)."""
     (_, padded) = ours.sizes_for(*image.size)
-    planes = kimi._planes(image)
+    planes = pillow_planes.planes(image)
 
     def patchify_all() -> None:  # the uint8 part of _fill_cpu's band loop
         for _ in kimi._bands(planes, padded, ours.patch_size):
@@ -136,7 +147,7 @@ def ours_by_stage(
     def median(fn: Callable[[], object]) -> float:
         return statistics.median(time_call(fn) for _ in range(reps))
 
-    read = median(lambda: kimi._planes(image))
+    read = median(lambda: pillow_planes.planes(image))
     patchify = median(patchify_all)
     total = median(lambda: ours([image]))
     return [
@@ -145,6 +156,71 @@ def ours_by_stage(
         ("allocate, cast, subtract, divide (numpy, per band)", total - read - patchify),
         ("total", total),
     ]
+
+
+@contextlib.contextmanager
+def without_reader() -> Iterator[None]:
+    """The plane reader switched off: ``pillow_planes`` takes its copy fallback."""
+    saved = pillow_planes._capsule_pointer
+    pillow_planes._capsule_pointer = None
+    try:
+        yield
+    finally:
+        pillow_planes._capsule_pointer = saved
+
+
+def reader_rows(rounds: int, reps: int) -> list[tuple[object, ...]]:
+    """The plane reader's worth: without ÷ with, alternated, on the read alone and on
+    ``KimiPreprocessor``'s whole call; outputs asserted equal first."""
+    rows: list[tuple[object, ...]] = []
+    for index, (width, height, settings, name) in enumerate(READER_ROWS):
+        ours = settings.ours()
+        image = photo_like(width, height, seed=10 + index)
+        read = getattr(pillow_planes, name)
+        resized = ours.sizes_for(width, height)[0] != (height, width)
+        assert resized == (name == "pixels"), (width, height, settings.label, name)
+
+        def read_without(read: Callable[..., object] = read, image: Image.Image = image) -> object:
+            with without_reader():
+                return read(image)
+
+        def ours_without(ours: KimiPreprocessor = ours, image: Image.Image = image) -> object:
+            with without_reader():
+                return ours([image])
+
+        def arrays(result: object) -> list[np.ndarray]:
+            return result if isinstance(result, list) else [result]
+
+        fast, slow = arrays(read(image)), arrays(read_without())
+        assert all(isinstance(a.base, pillow_planes.PillowMemory) for a in fast), "not in place"
+        assert not any(isinstance(a.base, pillow_planes.PillowMemory) for a in slow)
+        expected = np.asarray(image)
+        for result in (fast, slow):
+            got = result[0][..., :3] if len(result) == 1 else np.stack(result, axis=-1)
+            assert np.array_equal(got, expected)
+        with without_reader():
+            copied = ours([image])[0]
+        assert torch.equal(ours([image])[0], copied)
+        for label, with_, without in (
+            (f"pillow_planes.{name}()", lambda r=read, i=image: r(i), read_without),
+            ("KimiPreprocessor", lambda o=ours, i=image: o([i]), ours_without),
+        ):
+            for _ in range(2):  # warm-up
+                with_()
+                without()
+            result = interleaved(without, with_, rounds=rounds, reps=reps, ratio=lambda a, b: a / b)
+            rows.append(
+                (
+                    f"{width}x{height} {settings.label}",
+                    label,
+                    statistics.median(result.b) * 1e3,
+                    statistics.median(result.a) * 1e3,
+                    f"{result.ratio:.2f}",
+                    spread(result.ratios),
+                    f"{rounds}x{reps}",
+                )
+            )
+    return rows
 
 
 def main() -> None:
@@ -244,6 +320,18 @@ def main() -> None:
         print(line)
     print(f"ours on {HEADLINE[0]}x{HEADLINE[1]}, by stage (median of 7, warm):")
     print(table(("stage", "ms"), stages))
+    print()
+    reader_rounds, reader_reps = max(3, rounds // 3), reps
+    print(
+        "plane reader, with (Pillow's memory in place) and without (its copy fallback), "
+        "alternated; ratio = without / with:"
+    )
+    print(
+        table(
+            ("image", "call", "with ms", "without ms", "ratio", "spread", "rounds"),
+            reader_rows(reader_rounds, reader_reps),
+        )
+    )
     assert headline is not None
     print(result_line(NAME, headline.ratio, f">={TARGET:g}", headline.ratio >= TARGET))
 

@@ -15,8 +15,9 @@ patchifies with a reshape/permute copy of the float32 image; concatenates.
 bit-identical, with less memory traffic (on the CPU):
 
 - Pixels are read where Pillow keeps them. ``split()`` separates the channels in
-  one C pass and each plane is read in place through Pillow's Arrow export (a
-  copy, ``tobytes``, where that is not available), so no channel split is done
+  one C pass and each plane is read in place through Pillow's Arrow export
+  (``modalgate.media.pillow_planes``; a copy, ``tobytes``, where that is not
+  available), so no channel split is done
   in Python-land. A resize reads the image's own R, G, B, padding memory as a
   channels-last tensor: the same uint8 kernel and the same bytes as on the CHW
   copy the reference makes, about 3x faster, and it returns planes.
@@ -32,15 +33,16 @@ bit-identical, with less memory traffic (on the CPU):
 
 from __future__ import annotations
 
-import ctypes
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
+
+from modalgate.media import pillow_planes
 
 __all__ = ["KIMI_IMAGE_MEAN", "KIMI_IMAGE_STD", "KimiPreprocessor", "navit_size"]
 
@@ -98,93 +100,19 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-class _ArrowArray(ctypes.Structure):
-    """``struct ArrowArray`` of the Arrow C data interface (a stable, documented ABI)."""
-
-
-_ArrowArray._fields_ = [
-    ("length", ctypes.c_int64),
-    ("null_count", ctypes.c_int64),
-    ("offset", ctypes.c_int64),
-    ("n_buffers", ctypes.c_int64),
-    ("n_children", ctypes.c_int64),
-    ("buffers", ctypes.POINTER(ctypes.c_void_p)),
-    ("children", ctypes.POINTER(ctypes.POINTER(_ArrowArray))),
-    ("dictionary", ctypes.c_void_p),
-    ("release", ctypes.c_void_p),
-    ("private_data", ctypes.c_void_p),
-]
-
-
-def _capsule_getter() -> Callable[[object, bytes], int] | None:
-    """CPython's ``PyCapsule_GetPointer``, typed; None where there is no ``pythonapi``."""
-    try:
-        function = ctypes.pythonapi.PyCapsule_GetPointer
-    except AttributeError:
-        return None
-    function.restype = ctypes.c_void_p
-    function.argtypes = [ctypes.py_object, ctypes.c_char_p]
-    return function
-
-
-_capsule_pointer = _capsule_getter()
-
-
-class _PillowMemory:
-    """A Pillow image's own pixel memory, for ``np.asarray``, without a copy.
-
-    Pillow (11.2 and later) exports images through the Arrow PyCapsule interface;
-    the data buffer of that export is the image's pixel block (one byte per pixel
-    for "L", four for "RGB": R, G, B, padding). This object keeps the image and the
-    export alive for as long as an array made from it exists. Raises when the
-    export is missing or not one plain block (images over Pillow's 16 MB block
-    size are stored in pieces): callers fall back to ``tobytes``.
-    """
-
-    def __init__(self, image: Image.Image, shape: tuple[int, ...]) -> None:
-        if _capsule_pointer is None:
-            raise TypeError("no PyCapsule API in this interpreter")
-        _, capsule = image.__arrow_c_array__()
-        array = _ArrowArray.from_address(_capsule_pointer(capsule, b"arrow_array"))
-        if array.n_children == 1:  # multi-band pixels: a fixed-size list of bytes
-            array = array.children[0].contents
-        if array.offset != 0 or array.n_buffers != 2 or array.length != math.prod(shape):
-            raise ValueError("unexpected Arrow layout")
-        self._owners = (image, capsule)
-        self.__array_interface__ = {
-            "version": 3,
-            "shape": shape,
-            "typestr": "|u1",
-            "data": (array.buffers[1], True),  # read-only
-        }
-
-
-def _planes(image: Image.Image) -> list[np.ndarray]:
-    """R, G, B as ``[H, W]`` uint8 arrays, read-only.
-
-    ``split()`` separates the channels in one C pass; each plane is then read in
-    place (``_PillowMemory``), or, where that is not possible, copied out.
-    """
-    shape = (image.height, image.width)
-    planes = []
-    for band in image.split():
-        try:
-            planes.append(np.asarray(_PillowMemory(band, shape)))
-        except (AttributeError, TypeError, ValueError):
-            planes.append(np.frombuffer(band.tobytes(), np.uint8).reshape(shape))
-    return planes
+# The in-place reader lives in modalgate.media.pillow_planes. These two names are
+# still patched here by tests/test_kimi_preprocessor.py: the class is the same object
+# (patching it reaches the reader), the capsule getter is a copy (patching it does not).
+_PillowMemory = pillow_planes.PillowMemory
+_capsule_pointer = pillow_planes._capsule_pointer
 
 
 def _hwc(image: Image.Image) -> torch.Tensor:
     """``[H, W, C]`` uint8 sharing the pixels, read-only: C is 4 (R, G, B, padding: Pillow's
     own memory) or, where that cannot be read in place, 3 (a copy). We never write to it."""
-    try:
-        pixels = np.asarray(_PillowMemory(image, (image.height, image.width, 4)))
-    except (AttributeError, TypeError, ValueError):
-        pixels = np.asarray(image)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(pixels)
+        return torch.from_numpy(pillow_planes.pixels(image))
 
 
 def _resize(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -428,7 +356,7 @@ class KimiPreprocessor:
             chw = _resize(_hwc(rgb).permute(2, 0, 1), resized)[:3]
             planes: Planes = np.ascontiguousarray(chw.numpy())
         else:
-            planes = _planes(rgb)
+            planes = pillow_planes.planes(rgb)
         target = out.numpy().reshape(-1, 3, p * p)
         for first, band in _bands(planes, padded, p):
             chunk = target[first : first + len(band)]
