@@ -1476,15 +1476,9 @@ class RecordingUpstream:
                     return
         if scope["type"] != "http":
             return
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        body = b"".join(chunks)
+        body = await read_body(receive)
+        if body is None:
+            return
         headers = dict(scope["headers"])
         if scope["path"] == "/v1/models" and scope["method"] == "GET":
             await _send_simple(send, 200, models_list(self.served))
@@ -1554,6 +1548,18 @@ def main() -> None:
         log_level="warning",
         access_log=False,
     )
+
+
+async def read_body(receive: Any) -> bytes | None:
+    """An ASGI request's whole body; None if the client went away first."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
 
 
 if __name__ == "__main__":

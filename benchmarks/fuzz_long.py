@@ -69,6 +69,7 @@ from _hostile import (  # the sibling module, found through the path above
     error_code,
     models_list,
     policy_resolver,
+    read_body,
     upstream_findings,
     upstream_reply,
 )
@@ -182,7 +183,7 @@ def _signature(kind: str, detail: str, request: HostileRequest) -> str:
 
 
 class _Response:
-    """Quacks like ``upstream_pool.UpstreamResponse``: status, raw headers, chunks."""
+    """Quacks like ``gateway.upstream.pool.UpstreamResponse``: status, raw headers, chunks."""
 
     def __init__(
         self, status: int, headers: list[tuple[bytes, bytes]], chunks: list[bytes], reset: bool
@@ -277,21 +278,16 @@ class RecordingApp:
                 await send({"type": f"lifespan.{kind}.complete"})
                 if kind == "shutdown":
                     return
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
+        body = await read_body(receive)
+        if body is None:
+            return
         # Only a 500 of its own: transport faults belong to the proxy, not to an app.
         headers = [(k, v) for k, v in scope["headers"] if k != FAULT_HEADER or v == b"status500"]
         response = await self.pool.request(
             scope["method"].encode(),
             scope.get("raw_path") or scope["path"].encode(),
             headers,
-            b"".join(chunks),
+            body,
             {},
         )
         await send(
