@@ -24,6 +24,7 @@ from transformers.models.kimi_k25.image_processing_kimi_k25 import (
 
 import modalgate.encoder_adapter.kimi as kimi
 from modalgate.encoder_adapter.kimi import KimiPreprocessor, navit_size
+from modalgate.media import pillow_planes
 
 TOLERANCE = 1e-6  # max abs difference allowed on pixel_values (in practice: 0)
 
@@ -211,9 +212,9 @@ def test_without_zero_copy_pixels(
     image = noise_image(*size, seed=11)
     expected = ours("k3")([image])
     if missing == "export":
-        monkeypatch.setattr(kimi._PillowMemory, "__init__", unavailable)
+        monkeypatch.setattr(pillow_planes.PillowMemory, "__init__", unavailable)
     else:
-        monkeypatch.setattr(kimi, "_capsule_pointer", None)
+        monkeypatch.setattr(pillow_planes, "_capsule_pointer", None)
     pixels, grid = ours("k3")([image])
     assert torch.equal(grid, expected[1])
     assert torch.equal(pixels, expected[0])
@@ -224,7 +225,7 @@ def test_large_image_beyond_pillows_block_size() -> None:
     """6000x3000 RGB is stored in several of Pillow's blocks, so its pixels are copied out."""
     image = noise_image(6000, 3000, seed=2)
     with pytest.raises(ValueError):
-        kimi._PillowMemory(image, (3000, 6000, 4))
+        pillow_planes.PillowMemory(image, (3000, 6000, 4))
     assert_conforms(reference("k3"), ours("k3"), [image])
 
 

@@ -100,13 +100,6 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-# The in-place reader lives in modalgate.media.pillow_planes. These two names are
-# still patched here by tests/test_kimi_preprocessor.py: the class is the same object
-# (patching it reaches the reader), the capsule getter is a copy (patching it does not).
-_PillowMemory = pillow_planes.PillowMemory
-_capsule_pointer = pillow_planes._capsule_pointer
-
-
 def _hwc(image: Image.Image) -> torch.Tensor:
     """``[H, W, C]`` uint8 sharing the pixels, read-only: C is 4 (R, G, B, padding: Pillow's
     own memory) or, where that cannot be read in place, 3 (a copy). We never write to it."""
