@@ -216,6 +216,11 @@ class Gateway:
         for adapter in self.adapters:
             await adapter.warmup()
         self.readiness.encoders_warm = True
+        if self.upstreams.configured:
+            # Know what the upstreams serve before the first request is judged (each list
+            # read is bounded by MODEL_LIST_TIMEOUT_S). One down now is read again on the
+            # next reload or GET /v1/models; until then requests are judged by name.
+            await self.catalog.refresh()
         try:
             async with anyio.create_task_group() as group:
                 self._group = group
@@ -223,7 +228,6 @@ class Gateway:
                     group.start_soon(self.reloader.run, self.settings.watch_policy)
                 if self.upstreams.configured:
                     group.start_soon(self.upstreams.watch, self.settings.upstream_health_interval_s)
-                    group.start_soon(self.catalog.refresh)
                 try:
                     yield
                 finally:
