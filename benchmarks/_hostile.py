@@ -31,16 +31,20 @@ import json
 import posixpath
 import random
 import re
-import struct
+import sys
 import threading
 import urllib.parse
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import orjson
 from PIL import Image
+
+# The media stubs the tests use (tests/media_stubs.py), one copy for both.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from media_stubs import MP4_BYTES, PDF_BYTES, WAV_BYTES, png_bomb
 
 # ---------------------------------------------------------------- media bytes
 
@@ -64,35 +68,6 @@ def _noise_png(side: int, seed: int) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, "PNG", compress_level=1)
     return buffer.getvalue()
-
-
-def png_bomb(width: int = 100_000, height: int = 100_000) -> bytes:
-    """A real PNG header declaring width x height, with a tiny stub of pixel data."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        crc = struct.pack(">I", zlib.crc32(kind + data))
-        return struct.pack(">I", len(data)) + kind + data + crc
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", ihdr)
-        + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
-        + chunk(b"IEND", b"")
-    )
-
-
-MP4_BYTES = b"\x00\x00\x00\x18ftypmp42\x00\x00\x00\x00mp42isom" + b"\x00\x00\x00\x08free" * 4
-WAV_BYTES = (
-    b"RIFF"
-    + struct.pack("<I", 36 + 8)
-    + b"WAVEfmt "
-    + struct.pack("<IHHIIHH", 16, 1, 1, 8000, 16000, 2, 16)
-    + b"data"
-    + struct.pack("<I", 8)
-    + b"\x00" * 8
-)
-PDF_BYTES = b"%PDF-1.4\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF\n"
 
 
 class Media:

@@ -6,10 +6,8 @@ import contextlib
 import io
 import socket
 import ssl
-import struct
 import threading
 import time
-import zlib
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -22,6 +20,7 @@ import pytest
 import uvicorn
 from PIL import Image
 
+from media_stubs import MP4_BYTES, PDF_BYTES, WAV_BYTES, png_bomb  # noqa: F401 (re-exported)
 from modalgate.policy import RuleMatcher, load_policy
 
 # ---------------------------------------------------------------- media bytes
@@ -47,37 +46,6 @@ def animated_gif(frames: int = 3, size: tuple[int, int] = (16, 16)) -> bytes:
     buffer = io.BytesIO()
     images[0].save(buffer, "GIF", save_all=True, append_images=images[1:], duration=50, loop=0)
     return buffer.getvalue()
-
-
-def png_bomb(width: int = 100_000, height: int = 100_000) -> bytes:
-    """A real PNG whose header declares width x height; pixel data is a tiny stub."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-        )
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", ihdr)
-        + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
-        + chunk(b"IEND", b"")
-    )
-
-
-# Minimal real container headers (enough for every sniffer, ffprobe included).
-MP4_BYTES = b"\x00\x00\x00\x18ftypmp42\x00\x00\x00\x00mp42isom" + b"\x00\x00\x00\x08free" * 4
-WAV_BYTES = (
-    b"RIFF"
-    + struct.pack("<I", 36 + 8)
-    + b"WAVEfmt "
-    + struct.pack("<IHHIIHH", 16, 1, 1, 8000, 16000, 2, 16)
-    + b"data"
-    + struct.pack("<I", 8)
-    + b"\x00" * 8
-)
-PDF_BYTES = b"%PDF-1.4\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF\n"
 
 
 def b64(data: bytes) -> str:

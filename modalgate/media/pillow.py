@@ -8,11 +8,10 @@ magic bytes named, which reads the header and touches no pixel data.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from PIL import (
     BmpImagePlugin,
@@ -82,12 +81,6 @@ def _quiet_plugins() -> None:
 
 
 _quiet_plugins()
-
-
-@contextlib.contextmanager
-def quiet_pillow() -> Iterator[None]:
-    """Kept for callers of the old name: the filters above now do this, without a lock."""
-    yield
 
 
 def open_image(data: bytes, fmt: str) -> ImageFile.ImageFile:

@@ -14,7 +14,7 @@ then the app's ``receive`` continues with the real channel, so
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from os import PathLike
 from typing import TypeVar
 
@@ -125,7 +125,7 @@ class ModalGate:
         elif _has_body(scope):
             # A body on another method would reach a server that reads it (SGLang takes
             # PUT /generate) without being judged.
-            self._report_refusal(scope, _METHOD_NOT_ALLOWED)
+            self.report_early_refusal(scope["path"], _METHOD_NOT_ALLOWED)
             await send_error(send, [_METHOD_NOT_ALLOWED], [(b"allow", b"POST")])
         else:
             await self.app(scope, receive, send)  # GET, HEAD, OPTIONS (CORS preflight)
@@ -138,19 +138,14 @@ class ModalGate:
         kind = self.endpoints.kind_of(where)
         return None if kind is None or kind == "forward" else kind
 
-    def _report_refusal(self, scope: Scope, violation: Violation) -> None:
+    def report_early_refusal(
+        self, path: str, violation: Violation, body_bytes: int = 0, started: float | None = None
+    ) -> None:
+        """Tell the observer about a refusal made before any verdict."""
         if self.on_outcome is not None:
+            seconds = time.perf_counter() - started if started is not None else 0.0
             self.on_outcome(
-                GateOutcome(
-                    accepted=False,
-                    violations=(violation,),
-                    model=None,
-                    mode=self.mode,
-                    rule=None,
-                    body_bytes=0,
-                    seconds=0.0,
-                    path=scope["path"],
-                )
+                GateOutcome.early_refusal(violation, self.mode, path, body_bytes, seconds)
             )
 
     def _closing_on_shutdown(self, send: Send) -> Send:
@@ -186,7 +181,7 @@ class _GatedRequest:
         self.path = scope["path"]
         refusal = _header_refusal(_body_headers(scope), self.read_cap)
         if refusal is not None:
-            self._report(None, [refusal], 0)
+            self.gate.report_early_refusal(self.path, refusal, started=self.started)
             await send_error(send, [refusal])
             return
         body = await self._read_body(receive, send)
@@ -200,27 +195,25 @@ class _GatedRequest:
         if decision.body is not body:
             body = decision.body
             scope = dict(scope, headers=with_content_length(scope, len(body)))
-        self._report(verdict, verdict.violations, received)
+        self._report(verdict, received)
         if not verdict.accepted:
             await send_error(send, verdict.violations)
             return
         scope.setdefault("state", {})[VERDICT_STATE_KEY] = verdict
         await self.gate.app(scope, _replay(body, receive), send)
 
-    def _report(
-        self, verdict: Verdict | None, violations: Sequence[Violation], body_bytes: int
-    ) -> None:
+    def _report(self, verdict: Verdict, body_bytes: int) -> None:
         if self.gate.on_outcome is None:
             return
-        rule = verdict.rule if verdict is not None else None
+        rule = verdict.rule
         self.gate.on_outcome(
             GateOutcome(
-                accepted=not violations,
-                violations=tuple(violations),
-                model=verdict.model if verdict is not None else None,
+                accepted=verdict.accepted,
+                violations=tuple(verdict.violations),
+                model=verdict.model,
                 mode=self.decider.matcher.mode,
                 rule=rule.name if rule is not None and rule.known else None,
-                routed_from=verdict.routed_from if verdict is not None else None,
+                routed_from=verdict.routed_from,
                 body_bytes=body_bytes,
                 seconds=time.perf_counter() - self.started,
                 path=self.path,
@@ -239,7 +232,7 @@ class _GatedRequest:
             size += len(chunk)
             if size > self.read_cap:
                 refusal = payload_too_large(self.read_cap)
-                self._report(None, [refusal], size)
+                self.gate.report_early_refusal(self.path, refusal, size, self.started)
                 await send_error(send, [refusal])
                 return None
             chunks.append(chunk)

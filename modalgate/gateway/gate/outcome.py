@@ -24,6 +24,27 @@ class GateOutcome:
     path: str = ""
     routed_from: str | None = None  # the rule a fallback routed away from (``rule`` is the new)
 
+    @classmethod
+    def early_refusal(
+        cls,
+        violation: Violation,
+        mode: str | None,
+        path: str,
+        body_bytes: int = 0,
+        seconds: float = 0.0,
+    ) -> GateOutcome:
+        """A refusal made before any verdict (headers, method, body size): no model yet."""
+        return cls(
+            accepted=False,
+            violations=(violation,),
+            model=None,
+            mode=mode,
+            rule=None,
+            body_bytes=body_bytes,
+            seconds=seconds,
+            path=path,
+        )
+
     @property
     def status(self) -> int:
         return status_of(self.violations) if self.violations else 200
