@@ -1,7 +1,7 @@
 """Hostile HTTP requests for the gateway, and the checks every answer must pass.
 
 Shared by ``benchmarks/fuzz_long.py`` (the long run), ``benchmarks/load_mixed.py``
-(its media) and ``tests/test_fuzz_asgi.py`` (the CI budget). Hypothesis-free on
+(its media) and ``tests/hardening/test_fuzz_asgi.py`` (the CI budget). Hypothesis-free on
 purpose: a seeded ``random.Random`` mutating a corpus of valid and near-valid
 bodies makes a million requests in minutes and any one of them is reproduced
 from (seed, index) alone, which a shrinking engine cannot do at this rate.

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,6 +23,9 @@ from PIL import Image
 
 from media_stubs import MP4_BYTES, PDF_BYTES, WAV_BYTES, png_bomb  # noqa: F401 (re-exported)
 from modalgate.policy import RuleMatcher, load_policy
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
 
 # ---------------------------------------------------------------- media bytes
 

@@ -3,7 +3,7 @@
 A token budget must be checked before any pixel is decoded, so each estimator
 repeats its model processor's resize arithmetic with plain integers and floats
 (no torch, no transformers: this runs on every request). Each one is checked in
-``tests/test_tokens.py`` against transformers' own function over thousands of
+``tests/validators/test_tokens.py`` against transformers' own function over thousands of
 sizes; the float expressions are written in the same order as the reference so
 that rounding, and so the count, is bit-identical.
 

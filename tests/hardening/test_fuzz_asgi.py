@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from conftest import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
 import fuzz_long  # the long-run harness, shared
 from _hostile import ID_HEADER, UPSTREAM_MARK

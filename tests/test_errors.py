@@ -36,6 +36,7 @@ from PIL import Image
 
 from conftest import (
     MP4_BYTES,
+    REPO_ROOT,
     WAV_BYTES,
     Recorder,
     animated_gif,
@@ -61,7 +62,7 @@ from modalgate.validators import validate_body
 from modalgate.validators.parts import PART_KINDS
 from toy_upstream import Behaviour, ToyUpstream
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 ERRORS_MD = ROOT / "docs" / "errors.md"
 LINKED_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO_ROOT
 from modalgate.errors import ErrorCode
 from modalgate.policy import (
     Limits,
@@ -23,7 +24,7 @@ from modalgate.policy import (
     policy_json_schema,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 DOCS = ROOT / "docs"
 
 # ---------------------------------------------------------------- one policy, three formats

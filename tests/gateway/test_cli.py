@@ -15,6 +15,7 @@ import pytest
 
 from conftest import (
     MP4_BYTES,
+    REPO_ROOT,
     Recorder,
     body,
     chat,
@@ -29,7 +30,7 @@ from modalgate.policy import policy_json_schema
 
 _SCRIPT = Path(sys.executable).with_name("modalgate")
 MODALGATE = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "modalgate.gateway.cli"]
-BUILTIN = Path(__file__).resolve().parent.parent / "modalgate" / "policy" / "builtin.yaml"
+BUILTIN = REPO_ROOT / "modalgate" / "policy" / "builtin.yaml"
 
 
 def run(

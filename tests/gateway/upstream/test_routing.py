@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,13 +17,13 @@ import openai
 import orjson
 import pytest
 
-from conftest import MP4_BYTES, WAV_BYTES, b64, data_url, free_port, image_bytes
+from conftest import MP4_BYTES, TESTS_DIR, WAV_BYTES, b64, data_url, free_port, image_bytes
 from gateway_proc import GatewayProcess, metric
 from modalgate.errors import ErrorCode, Violation
 from modalgate.policy import RuleMatcher, parse_policy
 from modalgate.validators import Verdict, fallback_target, validate_request, with_fallback
 
-HERE = Path(__file__).resolve().parent
+HERE = TESTS_DIR
 IMAGE = {"type": "image_url", "image_url": {"url": data_url(image_bytes())}}
 VIDEO = {"type": "video_url", "video_url": {"url": data_url(MP4_BYTES, "video/mp4")}}
 AUDIO = {"type": "input_audio", "input_audio": {"data": b64(WAV_BYTES), "format": "wav"}}

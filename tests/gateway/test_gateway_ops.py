@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import MP4_BYTES, chat, data_url, serve
+from conftest import MP4_BYTES, REPO_ROOT, chat, data_url, serve
 from gateway_proc import GatewayProcess, metric
 from modalgate.gateway.app import StartupError, create_app
 from modalgate.gateway.settings import load_settings
@@ -224,7 +224,7 @@ def test_a_rule_of_another_mode_never_stops_the_gateway_from_starting(tmp_path):
 
 def test_every_setting_has_its_flag_variable_and_policy_key_in_the_docs():
     # One settings model makes the flags, the MODALGATE_* names and the server: keys.
-    table = (Path(__file__).parents[1] / "docs" / "deploy.md").read_text("utf-8")
+    table = (REPO_ROOT / "docs" / "deploy.md").read_text("utf-8")
     parser_help = subprocess.run(
         [sys.executable, "-m", "modalgate.gateway.cli", "serve", "--help"],
         capture_output=True,
