@@ -73,6 +73,12 @@ class GatewaySettings(BaseSettings):
         " kimi:/models/kimi-vit",
         json_schema_extra=_flag("NAME[:ARG]"),
     )
+    authz_prefix: AbsolutePath | None = Field(
+        None,
+        description="answer Envoy's ext_authz checks under this path (its http_service"
+        " path_prefix) instead of proxying: Envoy forwards, the gate decides (docs/envoy.md)",
+        json_schema_extra=_flag("PATH"),
+    )
     host: str = Field("127.0.0.1", description="bind address", json_schema_extra=_flag("H"))
     port: int = Field(8000, ge=0, le=65535, description="port", json_schema_extra=_flag("P"))
     upstream_connect_timeout_s: Seconds = Field(

