@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from modalgate.errors import ErrorCode, Violation
 from modalgate.policy.matching import ResolvedRule
-from modalgate.validators.verdict import MediaPart, Verdict
+from modalgate.validators.verdict import PartDraft, VerdictBuilder
 
 
-def admit(part: MediaPart, rule: ResolvedRule, verdict: Verdict) -> None:
+def admit(part: PartDraft, rule: ResolvedRule, verdict: VerdictBuilder) -> None:
     """Keep a media part for the content checks, or refuse it for its modality or role."""
     if part.modality not in rule.accepts:
         verdict.unsupported.add(part.modality)
@@ -26,7 +26,7 @@ def admit(part: MediaPart, rule: ResolvedRule, verdict: Verdict) -> None:
         verdict.parts.append(part)
 
 
-def unsupported(part: MediaPart, rule: ResolvedRule, verdict: Verdict) -> Violation:
+def unsupported(part: PartDraft, rule: ResolvedRule, verdict: VerdictBuilder) -> Violation:
     param = part.type_param or part.param
     if rule.message:
         message = f"{param}: {rule.message} (got {part.modality} input)"

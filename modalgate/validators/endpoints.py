@@ -20,14 +20,14 @@ from modalgate.errors import path
 from modalgate.policy.matching import ResolvedRule
 from modalgate.validators.admission import admit, invalid
 from modalgate.validators.parts import with_url
-from modalgate.validators.verdict import MediaPart, Verdict
+from modalgate.validators.verdict import PartDraft, VerdictBuilder
 
 _GENERATE_MEDIA = (("image_data", "image"), ("video_data", "video"), ("audio_data", "audio"))
 _POOLING_ITEM_KEYS = frozenset({"text", "image"})
 _URL_PREFIXES = ("http://", "https://", "data:", "file:")
 
 
-def walk_completions(request: dict[str, Any], rule: ResolvedRule, verdict: Verdict) -> None:
+def walk_completions(request: dict[str, Any], rule: ResolvedRule, verdict: VerdictBuilder) -> None:
     """``/v1/completions``: text or token prompts, and vLLM's ``prompt_embeds``."""
     embeds = request.get("prompt_embeds")
     if embeds is None:
@@ -41,7 +41,9 @@ def walk_completions(request: dict[str, Any], rule: ResolvedRule, verdict: Verdi
         _embeddings(where, "prompt_embeds", rule, verdict)
 
 
-def walk_pooling_input(request: dict[str, Any], rule: ResolvedRule, verdict: Verdict) -> None:
+def walk_pooling_input(
+    request: dict[str, Any], rule: ResolvedRule, verdict: VerdictBuilder
+) -> None:
     """``input`` of embeddings and tokenize bodies: text or tokens, or SGLang's
     ``{"text": ..., "image": ...}`` items (an image each). Objects of any other shape
     are refused: the gate cannot tell what a server would make of them."""
@@ -67,7 +69,7 @@ def walk_pooling_input(request: dict[str, Any], rule: ResolvedRule, verdict: Ver
         _media_string(image, path(where, "image"), "image", "input", rule, verdict)
 
 
-def walk_generate(request: dict[str, Any], rule: ResolvedRule, verdict: Verdict) -> None:
+def walk_generate(request: dict[str, Any], rule: ResolvedRule, verdict: VerdictBuilder) -> None:
     """SGLang's native ``/generate``: one item, a list, or a list per prompt, per field."""
     for field, modality in _GENERATE_MEDIA:
         value = request.get(field)
@@ -101,17 +103,17 @@ def _flattened(value: Any, field: str) -> list[tuple[str, Any]]:
 
 
 def _media_string(
-    value: str, where: str, modality: str, field: str, rule: ResolvedRule, verdict: Verdict
+    value: str, where: str, modality: str, field: str, rule: ResolvedRule, verdict: VerdictBuilder
 ) -> None:
-    part = MediaPart(param=where, part_type=field, modality=modality, role="user", source="url")
+    part = PartDraft(param=where, part_type=field, modality=modality, role="user", source="url")
     part.type_param = where
     is_url = value[:8].lower().startswith(_URL_PREFIXES)
     part.inlinable = is_url  # a fetched URL becomes a data URL in the same place
     admit(with_url(part, value, where, bare_base64=not is_url), rule, verdict)
 
 
-def _embeddings(where: str, field: str, rule: ResolvedRule, verdict: Verdict) -> None:
-    part = MediaPart(
+def _embeddings(where: str, field: str, rule: ResolvedRule, verdict: VerdictBuilder) -> None:
+    part = PartDraft(
         param=where, part_type=field, modality="embeddings", role="user", source="embeds"
     )
     part.payload_param = part.type_param = where

@@ -9,6 +9,8 @@ never pays for decoding the first 16.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from modalgate.errors import ErrorCode, Violation
 from modalgate.media.data_url import Base64Error, decode_base64, decoded_size, parse_data_url
 from modalgate.media.decode import DecodeError, verify_image_data
@@ -18,18 +20,18 @@ from modalgate.policy.matching import ResolvedRule
 from modalgate.policy.models import MediaUrls
 from modalgate.validators.image_probe import ImageFacts, ImageProbeError, probe_image
 from modalgate.validators.tokens import TokenEstimateError, estimate_tokens
-from modalgate.validators.verdict import MediaPart
+from modalgate.validators.verdict import MediaPart, PartDraft
 
 _GENERIC_MIMES = frozenset({"", "application/octet-stream", "binary/octet-stream"})
 _ARTICLE = {"image": "an image", "video": "a video", "audio": "audio", "file": "a document"}
 
 
-def _violation(code: ErrorCode, part: MediaPart, message: str) -> Violation:
-    param = part.payload_param or part.param
+def _violation(code: ErrorCode, part: PartDraft, message: str) -> Violation:
+    param = part.payload_at
     return Violation(code, f"{param}: {message}", param)
 
 
-def cheap_violations(part: MediaPart, rule: ResolvedRule, urls: MediaUrls) -> list[Violation]:
+def cheap_violations(part: PartDraft, rule: ResolvedRule, urls: MediaUrls) -> list[Violation]:
     if part.url is not None:
         reason = url_refusal(part.url, urls)
         return [_violation(ErrorCode.URL_NOT_ALLOWED, part, reason)] if reason else []
@@ -78,7 +80,7 @@ def cheap_violations(part: MediaPart, rule: ResolvedRule, urls: MediaUrls) -> li
     return []
 
 
-def probe_violations(part: MediaPart, rule: ResolvedRule) -> list[Violation]:
+def probe_violations(part: PartDraft, rule: ResolvedRule) -> list[Violation]:
     """Decode an inline payload, then check what the bytes are."""
     if part.payload is None or part.source == "embeds":
         return []
@@ -90,7 +92,7 @@ def probe_violations(part: MediaPart, rule: ResolvedRule) -> list[Violation]:
     return content_violations(part, rule)
 
 
-def content_violations(part: MediaPart, rule: ResolvedRule) -> list[Violation]:
+def content_violations(part: PartDraft, rule: ResolvedRule) -> list[Violation]:
     """Magic bytes and image header of ``part.data``, inline or fetched alike."""
     if part.data is None:
         return []
@@ -114,7 +116,7 @@ def content_violations(part: MediaPart, rule: ResolvedRule) -> list[Violation]:
     return _image_violations(part, rule)
 
 
-def _image_violations(part: MediaPart, rule: ResolvedRule) -> list[Violation]:
+def _image_violations(part: PartDraft, rule: ResolvedRule) -> list[Violation]:
     limits = rule.limits
     assert part.data is not None and part.format is not None
     if part.format not in limits.image_formats:
@@ -163,7 +165,7 @@ def _image_violations(part: MediaPart, rule: ResolvedRule) -> list[Violation]:
     return []
 
 
-def _frames_violation(part: MediaPart, facts: ImageFacts, animated: bool, limit: int) -> Violation:
+def _frames_violation(part: PartDraft, facts: ImageFacts, animated: bool, limit: int) -> Violation:
     """Say only what was counted: counting stops one frame past the limit."""
     name = (part.format or "").upper()
     counted = f"more than {limit}" if facts.frames_capped else str(facts.frames)
@@ -180,7 +182,7 @@ def _frames_violation(part: MediaPart, facts: ImageFacts, animated: bool, limit:
     )
 
 
-def _token_violations(part: MediaPart, rule: ResolvedRule) -> list[Violation]:
+def _token_violations(part: PartDraft, rule: ResolvedRule) -> list[Violation]:
     if rule.tokens is None or part.width is None or part.height is None:
         return []
     try:
@@ -200,7 +202,9 @@ def _token_violations(part: MediaPart, rule: ResolvedRule) -> list[Violation]:
     return []
 
 
-def budget_violations(parts: list[MediaPart], rule: ResolvedRule) -> list[Violation]:
+def budget_violations(
+    parts: Sequence[MediaPart] | Sequence[PartDraft], rule: ResolvedRule
+) -> list[Violation]:
     """The request-wide vision-token budget, blaming the image that crosses it."""
     limit = rule.limits.max_request_image_tokens
     if limit is None:

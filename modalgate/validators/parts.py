@@ -2,7 +2,8 @@
 
 A part's declared type names its modality and where its payload sits. The table
 is the single place that knows part shapes; ``read_part`` turns a raw part into
-either a text part (nothing to check), a ``MediaPart`` to check, or a violation.
+either a text part (nothing to check), a media part to check (a ``PartDraft``), or a
+violation.
 
 Servers also take parts without ``type``: vLLM infers the kind from the payload
 key, and does the same, ignoring ``type``, whenever a part carries a ``uuid``. So
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from modalgate.errors import ErrorCode, Violation, path
-from modalgate.validators.verdict import MediaPart
+from modalgate.validators.verdict import PartDraft
 
 Shape = Literal[
     "text", "url", "input_image", "input_audio", "file", "input_file", "embeds", "never"
@@ -147,7 +148,7 @@ def _known_part_type(
 
 def read_part(
     part_type: str, part: dict[str, Any], where: str, role: str
-) -> MediaPart | Violation | None:
+) -> PartDraft | Violation | None:
     """Check the part's shape; ``None`` for a well-formed text part."""
     kind = PART_KINDS[part_type]
     key_param = path(where, kind.key)
@@ -156,7 +157,7 @@ def read_part(
         if not isinstance(value, str):
             return _bad(f"'{kind.key}' must be a string", key_param)
         return None
-    media = MediaPart(
+    media = PartDraft(
         param=where, part_type=part_type, modality=kind.modality, role=role, source="url"
     )
     if value is None and part.get("uuid") is not None and kind.key in part:
@@ -212,8 +213,8 @@ def read_part(
 
 
 def _url_or_file_id(
-    media: MediaPart, holder: dict[str, Any], url_key: str, where: str, *, bare_base64: bool = False
-) -> MediaPart | Violation:
+    media: PartDraft, holder: dict[str, Any], url_key: str, where: str, *, bare_base64: bool = False
+) -> PartDraft | Violation:
     url, file_id = holder.get(url_key), holder.get("file_id")
     if isinstance(url, str):
         media.inlinable = not bare_base64
@@ -224,7 +225,7 @@ def _url_or_file_id(
     return _bad(f"must carry a string {url_key!r} or 'file_id'", path(where, url_key))
 
 
-def with_url(media: MediaPart, url: str, url_param: str, *, bare_base64: bool = False) -> MediaPart:
+def with_url(media: PartDraft, url: str, url_param: str, *, bare_base64: bool = False) -> PartDraft:
     """A data URL, a remote URL, or (``file_data``) bare base64."""
     media.payload_param = url_param
     if url[:5].lower() == "data:":

@@ -33,7 +33,7 @@ from modalgate.validators.media_checks import (
     probe_violations,
 )
 from modalgate.validators.parts import PART_KINDS, part_type_of, read_part
-from modalgate.validators.verdict import Verdict
+from modalgate.validators.verdict import Verdict, VerdictBuilder, refused
 
 _NAMES = {
     "image": "images",
@@ -94,12 +94,10 @@ def validate_body(
     """The whole check for one request body."""
     request = parse_json_body(body)
     if isinstance(request, Violation):
-        return Verdict([request], mode=matcher.mode)
+        return refused(request, matcher.mode)
     if not isinstance(request, dict):
-        return Verdict(
-            [Violation(ErrorCode.INVALID_JSON, "the request body must be a JSON object")],
-            mode=matcher.mode,
-        )
+        not_object = Violation(ErrorCode.INVALID_JSON, "the request body must be a JSON object")
+        return refused(not_object, matcher.mode)
     return validate_request(request, matcher, body_size=len(body), api=api, served=served)
 
 
@@ -117,21 +115,20 @@ def validate_request(
     request is judged as that model, whatever name it carries.
     """
     model = request.get("model")
-    verdict = Verdict(
-        [],
+    verdict = VerdictBuilder(
+        matcher.mode,
         model=model if isinstance(model, str) else None,
-        mode=matcher.mode,
         request=request,
         api=api,
         body_bytes=body_size or 0,
     )
     if model is not None and not isinstance(model, str):
         verdict.violations.append(invalid("'model' must be a string", "model"))
-        return verdict
+        return verdict.build()
     judged = model or matcher.policy.default_model or ""
     if not judged and api in _MODEL_REQUIRED:
         verdict.violations.append(invalid("'model' is required", "model"))
-        return verdict
+        return verdict.build()
     rule = matcher.resolve(judged)
     if served is not None:
         serving = served(judged, rule)
@@ -145,10 +142,10 @@ def validate_request(
         verdict.violations.append(
             Violation(ErrorCode.UNKNOWN_MODEL, f"model: unknown model {shown}", "model")
         )
-        return verdict
+        return verdict.build()
     if body_size is not None and body_size > rule.limits.max_body_bytes:
         verdict.violations.append(payload_too_large(rule.limits.max_body_bytes))
-        return verdict
+        return verdict.build()
     if api == "responses":
         _walk_input(request.get("input"), rule, verdict)
     elif api == "chat" or request.get("messages") is not None:
@@ -156,12 +153,12 @@ def validate_request(
         if not isinstance(messages, list) or not messages:
             problem = "is required" if messages is None else "must be a non-empty array"
             verdict.violations.append(invalid(f"'messages' {problem}", "messages"))
-            return verdict
+            return verdict.build()
         _walk_messages(messages, rule, verdict)
     if api in _OTHER_WALKS:
         _OTHER_WALKS[api](request, rule, verdict)
     if verdict.violations or not verdict.parts:
-        return verdict  # refused, or text only: nothing more to check
+        return verdict.build()  # refused, or text only: nothing more to check
     _check_audio_in_video(request, rule, verdict)
     if not verdict.violations:
         _check_counts(rule, verdict)
@@ -173,7 +170,7 @@ def validate_request(
             verdict.violations.extend(probe_violations(part, rule))
     if not verdict.violations:
         verdict.violations.extend(budget_violations(verdict.parts, rule))
-    return verdict
+    return verdict.build()
 
 
 def check_fetched(verdict: Verdict, fetched: dict[int, tuple[bytes, str | None]]) -> Verdict:
@@ -183,14 +180,16 @@ def check_fetched(verdict: Verdict, fetched: dict[int, tuple[bytes, str | None]]
     parts = list(verdict.parts)
     violations = list(verdict.violations)
     for index, (data, mime) in fetched.items():
-        parts[index] = replace(parts[index], data=data, mime=mime)
-        violations += content_violations(parts[index], verdict.rule)
+        draft = parts[index].draft()
+        draft.data, draft.mime = data, mime
+        violations += content_violations(draft, verdict.rule)
+        parts[index] = draft.frozen()
     if not violations:
         violations += budget_violations(parts, verdict.rule)
-    return replace(verdict, parts=parts, violations=violations)
+    return replace(verdict, parts=tuple(parts), violations=tuple(violations))
 
 
-def _walk_messages(messages: list[Any], rule: ResolvedRule, verdict: Verdict) -> None:
+def _walk_messages(messages: list[Any], rule: ResolvedRule, verdict: VerdictBuilder) -> None:
     violations = verdict.violations
     for i, message in enumerate(messages):
         if len(violations) >= MAX_LISTED_VIOLATIONS:
@@ -207,7 +206,7 @@ def _walk_messages(messages: list[Any], rule: ResolvedRule, verdict: Verdict) ->
         _walk_message(message, path("messages", i), rule, verdict)
 
 
-def _walk_input(items: Any, rule: ResolvedRule, verdict: Verdict) -> None:
+def _walk_input(items: Any, rule: ResolvedRule, verdict: VerdictBuilder) -> None:
     """The Responses API's ``input``: text, or items in order.
 
     Servers turn items into chat messages: anything with a ``role`` is read as a
@@ -251,7 +250,7 @@ def _walk_input(items: Any, rule: ResolvedRule, verdict: Verdict) -> None:
             )
 
 
-def _read_screenshot(output: Any, where: str, rule: ResolvedRule, verdict: Verdict) -> None:
+def _read_screenshot(output: Any, where: str, rule: ResolvedRule, verdict: VerdictBuilder) -> None:
     """A computer-use screenshot: an image like any other, checked, fetched and screened."""
     if not isinstance(output, dict):
         verdict.violations.append(invalid("must be a computer_screenshot object", where))
@@ -264,7 +263,7 @@ def _read_screenshot(output: Any, where: str, rule: ResolvedRule, verdict: Verdi
     _read_part({**output, "type": "input_image"}, where, "tool", rule, verdict)
 
 
-def _walk_message(message: Any, where: str, rule: ResolvedRule, verdict: Verdict) -> None:
+def _walk_message(message: Any, where: str, rule: ResolvedRule, verdict: VerdictBuilder) -> None:
     violations = verdict.violations
     if not isinstance(message, dict):
         violations.append(invalid("each message must be an object", where))
@@ -315,7 +314,9 @@ def _is_plain_text(part: Any) -> bool:
     )
 
 
-def _read_part(part: Any, where: str, role: str, rule: ResolvedRule, verdict: Verdict) -> None:
+def _read_part(
+    part: Any, where: str, role: str, rule: ResolvedRule, verdict: VerdictBuilder
+) -> None:
     if isinstance(part, str):
         return  # vLLM takes bare strings as text parts
     if not isinstance(part, dict):
@@ -336,7 +337,9 @@ def _read_part(part: Any, where: str, role: str, rule: ResolvedRule, verdict: Ve
     admit(read, rule, verdict)
 
 
-def _check_audio_in_video(request: dict[str, Any], rule: ResolvedRule, verdict: Verdict) -> None:
+def _check_audio_in_video(
+    request: dict[str, Any], rule: ResolvedRule, verdict: VerdictBuilder
+) -> None:
     """``use_audio_in_video`` makes each video URL an audio input too (vLLM reads it from
     ``mm_processor_kwargs``, SGLang from the top level): judged as audio as well."""
     kwargs = request.get("mm_processor_kwargs")
@@ -374,7 +377,7 @@ def _check_audio_in_video(request: dict[str, Any], rule: ResolvedRule, verdict: 
         )
 
 
-def _check_counts(rule: ResolvedRule, verdict: Verdict) -> None:
+def _check_counts(rule: ResolvedRule, verdict: VerdictBuilder) -> None:
     seen: dict[str, int] = {}
     for part in verdict.parts:
         count = seen[part.modality] = seen.get(part.modality, 0) + 1

@@ -7,6 +7,8 @@ loop) and within one matcher, so within the gateway's mode.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from modalgate.errors import ErrorCode
 from modalgate.policy.matching import RuleMatcher
 from modalgate.validators.request import validate_request
@@ -37,5 +39,4 @@ def with_fallback(verdict: Verdict, matcher: RuleMatcher, body_size: int | None 
         {**verdict.request, "model": target}, matcher, body_size, api=verdict.api
     )
     assert verdict.rule is not None
-    rerouted.routed_from = verdict.rule.name
-    return rerouted
+    return replace(rerouted, routed_from=verdict.rule.name)

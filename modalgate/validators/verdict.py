@@ -1,8 +1,14 @@
-"""What validation hands to the next stage: the parsed request, its media parts, the rule."""
+"""What validation hands to the next stage: the parsed request, its media parts, the rule.
+
+A ``Verdict`` and its ``MediaPart``s are frozen once made, so a stage that learns
+more (fetched bytes, a fallback) returns a new verdict and every holder of the old
+one (the request's state, logs, metrics) keeps seeing what it saw. Validation
+fills the mutable ``VerdictBuilder`` and ``PartDraft`` and freezes them once.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import pybase64
@@ -12,7 +18,7 @@ from modalgate.policy.matching import ResolvedRule
 from modalgate.validators.json_body import Location, location_of
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class MediaPart:
     """One media content part with where it sits and what probing learned about it.
 
@@ -40,6 +46,15 @@ class MediaPart:
     inlinable: bool = False
     payload: str | None = field(default=None, repr=False)  # the base64 text, until decoded
 
+    @property
+    def payload_at(self) -> str:
+        """The one param that locates this part's payload: what a violation on it names."""
+        return self.payload_param or self.param
+
+    def draft(self) -> PartDraft:
+        """A mutable copy, for a stage that checks the part again (fetched bytes)."""
+        return PartDraft(*(getattr(self, name) for name in _PART_FIELDS))
+
     def inlined(self) -> tuple[Location, str] | None:
         """Where the fetched URL sits and the data URL of its bytes, to forward instead."""
         if not self.inlinable or self.data is None or self.url is None:
@@ -49,7 +64,7 @@ class MediaPart:
         else:
             mime = self.mime or "application/octet-stream"
         data_url = f"data:{mime};base64,{pybase64.b64encode(self.data).decode()}"
-        return location_of(self.payload_param or self.param), data_url
+        return location_of(self.payload_at), data_url
 
     def inlined_size(self) -> int:
         """Bytes the body grows by once this part's data URL replaces its URL."""
@@ -74,18 +89,18 @@ class MediaPart:
         }
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Verdict:
     """Accepted (no violations) or refused (every violation the checks found)."""
 
-    violations: list[Violation]
-    parts: list[MediaPart] = field(default_factory=list)
+    violations: tuple[Violation, ...]
+    parts: tuple[MediaPart, ...] = ()
     model: str | None = None  # as the client sent it
     mode: str | None = None
     rule: ResolvedRule | None = None
     request: dict[str, Any] | None = field(default=None, repr=False)
     # Media the rule does not accept, by modality: what a fallback route may take instead.
-    unsupported: set[str] = field(default_factory=set)
+    unsupported: frozenset[str] = frozenset()
     # Set when a fallback sent this request to another model: the rule of the model the
     # client asked for (a policy name, safe for metric labels; ``model`` is the new one).
     routed_from: str | None = None
@@ -103,6 +118,10 @@ class Verdict:
     def remote_parts(self) -> list[MediaPart]:
         return [part for part in self.parts if part.url is not None]
 
+    def with_violations(self, *violations: Violation) -> Verdict:
+        """This verdict refused for ``violations`` too (a later stage's findings)."""
+        return replace(self, violations=(*self.violations, *violations))
+
     @property
     def status(self) -> int:
         return status_of(self.violations) if self.violations else 200
@@ -119,3 +138,75 @@ class Verdict:
             "media": [part.facts() for part in self.parts],
             "violations": [v.as_dict() for v in self.violations],
         }
+
+
+@dataclass(slots=True)
+class PartDraft:
+    """A ``MediaPart`` while validation still learns about it; ``frozen()`` hands it out.
+
+    The fields are ``MediaPart``'s, in its order (a test holds them equal).
+    """
+
+    param: str
+    part_type: str
+    modality: str
+    role: str
+    source: str
+    url: str | None = None
+    mime: str | None = None
+    format: str | None = None
+    width: int | None = None
+    height: int | None = None
+    frames: int | None = None
+    bytes: int | None = None
+    tokens: int | None = None
+    payload_param: str | None = None
+    type_param: str | None = None
+    data: bytes | None = field(default=None, repr=False)
+    inlinable: bool = False
+    payload: str | None = field(default=None, repr=False)
+
+    @property
+    def payload_at(self) -> str:
+        return self.payload_param or self.param
+
+    def frozen(self) -> MediaPart:
+        return MediaPart(*(getattr(self, name) for name in _PART_FIELDS))
+
+
+_PART_FIELDS = tuple(f.name for f in fields(MediaPart))
+
+
+@dataclass(slots=True)
+class VerdictBuilder:
+    """What validation fills in place while it walks one request; ``build()`` freezes it."""
+
+    mode: str | None
+    violations: list[Violation] = field(default_factory=list)
+    parts: list[PartDraft] = field(default_factory=list)
+    model: str | None = None
+    rule: ResolvedRule | None = None
+    request: dict[str, Any] | None = field(default=None, repr=False)
+    unsupported: set[str] = field(default_factory=set)
+    api: str = "chat"
+    judged_as: str | None = None
+    body_bytes: int = 0
+
+    def build(self) -> Verdict:
+        return Verdict(
+            violations=tuple(self.violations),
+            parts=tuple(part.frozen() for part in self.parts),
+            model=self.model,
+            mode=self.mode,
+            rule=self.rule,
+            request=self.request,
+            unsupported=frozenset(self.unsupported),
+            api=self.api,
+            judged_as=self.judged_as,
+            body_bytes=self.body_bytes,
+        )
+
+
+def refused(violation: Violation, mode: str | None) -> Verdict:
+    """The verdict on a body validation could not even read."""
+    return Verdict((violation,), mode=mode)

@@ -115,7 +115,7 @@ def wrapped(text: str, width: int = 76) -> str:
 def test_body_that_is_not_a_json_object(raw, encoder_matcher):
     verdict = validate_body(raw, encoder_matcher)
     refused(verdict, ErrorCode.INVALID_JSON, None, 400)
-    assert verdict.parts == []
+    assert verdict.parts == ()
 
 
 def test_deep_nesting_is_named(encoder_matcher):
@@ -535,7 +535,7 @@ def test_image_count_spans_messages(encoder_matcher):
 
 def test_ten_thousand_text_parts_are_accepted(encoder_matcher):
     verdict = accepted(chat(*[{"type": "text", "text": "x"}] * 10_000), encoder_matcher)
-    assert verdict.parts == []
+    assert verdict.parts == ()
 
 
 def test_ten_thousand_images_are_too_many(encoder_matcher):

@@ -10,7 +10,7 @@ remote media is the one I/O step, and an entry point may leave it out.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from modalgate.errors import Violation
@@ -59,7 +59,7 @@ class Decider:
             if verdict.accepted and self.media.inline:
                 inlined = self.media.inlined(verdict)
                 if isinstance(inlined, Violation):
-                    verdict = replace(verdict, violations=[*verdict.violations, inlined])
+                    verdict = verdict.with_violations(inlined)
                 else:
                     edits += inlined
         if verdict.accepted and edits:

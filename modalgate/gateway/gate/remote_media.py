@@ -8,8 +8,6 @@ URL so the model server never downloads it a second time.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import anyio
 
 from modalgate.errors import ErrorCode, Violation
@@ -44,7 +42,7 @@ class MediaStage:
                     part.url, max_bytes=cap, modality=part.modality
                 )
             except FetchError as exc:
-                param = part.payload_param or part.param
+                param = part.payload_at
                 results[index] = Violation(exc.code, f"{param}: {exc.reason}", param)
 
         async with anyio.create_task_group() as group:
@@ -52,7 +50,7 @@ class MediaStage:
                 group.start_soon(one, index)
         failures = [results[i] for i in remote if isinstance(results[i], Violation)]
         if failures:
-            return replace(verdict, violations=[*verdict.violations, *failures])
+            return verdict.with_violations(*failures)
         fetched = {
             i: (r.data, r.content_type or None)
             for i, r in results.items()
@@ -65,7 +63,7 @@ class MediaStage:
                 f"the request's remote media add up to {total} bytes; the limit is "
                 f"{limits.max_fetched_bytes} bytes per request",
             )
-            return replace(verdict, violations=[*verdict.violations, too_much])
+            return verdict.with_violations(too_much)
         return check_fetched(verdict, fetched)
 
     def inlined(self, verdict: Verdict) -> list[tuple[Location, str]] | Violation:

@@ -329,8 +329,7 @@ def test_with_fallback_revalidates_against_the_target_and_stops_there():
     refused = with_fallback(verdict("a", VIDEO, VIDEO), RuleMatcher(PURE))
     assert [v.code for v in refused.violations] == [ErrorCode.TOO_MANY_MEDIA]
     # Only modality refusals reroute: anything else about the request stands.
-    mixed = verdict("a", VIDEO)
-    mixed.violations.append(Violation(ErrorCode.INVALID_IMAGE, "x", "p"))
+    mixed = verdict("a", VIDEO).with_violations(Violation(ErrorCode.INVALID_IMAGE, "x", "p"))
     assert fallback_target(mixed) is None
 
 
