@@ -41,6 +41,7 @@ class ErrorCode(str, Enum):
     UPSTREAM_TIMEOUT = "upstream_timeout"
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
+    INVALID_API_KEY = "invalid_api_key"
 
     def __str__(self) -> str:
         return self.value
@@ -72,6 +73,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.UPSTREAM_TIMEOUT: 504,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.INVALID_API_KEY: 401,
 }
 
 # OpenAI's `type` field: client mistakes vs. our side failing.

@@ -13,9 +13,17 @@ from __future__ import annotations
 import os
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    create_model,
+)
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, InitSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "MODALGATE_"
 
@@ -23,7 +31,29 @@ ENV_PREFIX = "MODALGATE_"
 def _http_url(value: str) -> str:
     if not value.startswith(("http://", "https://")):
         raise ValueError("the upstream must be an http:// or https:// URL")
-    return value.rstrip("/")
+    return upstream_root(value)
+
+
+def upstream_root(url: str) -> str:
+    """The server root under an upstream URL: ``http://h:8001/v1`` -> ``http://h:8001``.
+
+    Clients know a server by its OpenAI ``base_url`` (ending in ``/v1``), while the
+    proxy appends the path a client sent (``/v1/chat/completions``), so either form is
+    taken and the ``/v1`` dropped once, here. A path before it stays: a prefix under
+    which the server is mounted (``http://h/llm/v1`` -> ``http://h/llm``).
+    """
+    root = url.rstrip("/")
+    return root.removesuffix("/v1") if root.endswith("/v1") else root
+
+
+def _api_keys(value: object) -> object:
+    """``MODALGATE_API_KEYS=a,b``, ``--api-key a --api-key b,c``, or a list in a policy file."""
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, list | tuple):
+        texts = (i.get_secret_value() if isinstance(i, SecretStr) else str(i) for i in value)
+        return tuple(key.strip() for text in texts for key in text.split(",") if key.strip())
+    return value
 
 
 def _absolute(value: str) -> str:
@@ -38,9 +68,14 @@ Seconds = Annotated[float, Field(gt=0)]
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
 
-def _flag(metavar: str) -> dict[str, Any]:
-    """The placeholder the field's ``serve`` flag shows in ``--help``."""
-    return {"metavar": metavar}
+# Secrets: never in a repr, a log line or an error message.
+ApiKeys = Annotated[tuple[SecretStr, ...], NoDecode, BeforeValidator(_api_keys)]
+
+
+def _flag(metavar: str, name: str | None = None) -> dict[str, Any]:
+    """The placeholder the field's ``serve`` flag shows in ``--help``, and the flag's own
+    name where it is not made from the field's."""
+    return {"metavar": metavar, **({"flag": name} if name else {})}
 
 
 class GatewaySettings(BaseSettings):
@@ -56,7 +91,8 @@ class GatewaySettings(BaseSettings):
     )
     upstream: UpstreamUrl | None = Field(
         None,
-        description="the model server to forward to; none: a validation service",
+        description="the model server to forward to, with or without /v1; none: a validation"
+        " service",
         json_schema_extra=_flag("URL"),
     )
     served_model: str | None = Field(
@@ -101,7 +137,9 @@ class GatewaySettings(BaseSettings):
         json_schema_extra=_flag("N"),
     )
     upstream_health_path: AbsolutePath = Field(
-        "/health", description="probed on every upstream", json_schema_extra=_flag("PATH")
+        "/health",
+        description="probed on every upstream for fail-over (readiness asks /v1/models)",
+        json_schema_extra=_flag("PATH"),
     )
     upstream_health_interval_s: Seconds = Field(
         5.0,
@@ -123,6 +161,22 @@ class GatewaySettings(BaseSettings):
     access_log: bool = Field(True, description="one log line per request")
     log_format: Literal["json", "text"] = Field("json", description="log line format")
     log_level: LogLevel = Field("info", description="the lowest level logged")
+    api_keys: ApiKeys = Field(
+        (),
+        description="bearer keys clients must send, comma separated or the flag repeated"
+        " (a flag shows in ps: prefer the variable or --api-key-file); none: no authentication",
+        json_schema_extra=_flag("KEY", name="--api-key"),
+    )
+    api_key_file: str | None = Field(
+        None,
+        description="a file of bearer keys, one a line (kept off the command line);"
+        " joins --api-key",
+        json_schema_extra=_flag("FILE"),
+    )
+    auth_health_and_metrics: bool = Field(
+        False,
+        description="with keys, ask for one on /healthz, /readyz and the metrics path too",
+    )
 
 
 class RaySettings(BaseSettings):
@@ -160,7 +214,12 @@ ServerSection: type[BaseModel] = create_model(
 
 
 def flag_name(field_name: str) -> str:
-    """``upstream_read_timeout_s`` -> ``--upstream-read-timeout`` (seconds are said in help)."""
+    """``upstream_read_timeout_s`` -> ``--upstream-read-timeout`` (seconds are said in help);
+    a field may name its flag (``api_keys`` -> ``--api-key``, given once per key)."""
+    field = GatewaySettings.model_fields.get(field_name)
+    extra = field.json_schema_extra if field is not None else None
+    if isinstance(extra, dict) and isinstance(extra.get("flag"), str):
+        return extra["flag"]
     return "--" + field_name.removesuffix("_s").replace("_", "-")
 
 

@@ -219,6 +219,8 @@ class Lab:
         elif name == "resetting":  # the upstream dies after two tokens of a stream
             toy = ToyUpstream(behaviour=Behaviour(tokens=5, reset_after=2))
             app = create_app(policy=None, upstream=self.stack.enter_context(serve(toy.app())))
+        elif name == "locked":  # a validation service that asks for a bearer key
+            app = create_app(settings=GatewaySettings(api_keys="right-key"))
         elif name == "encoder":
             app = create_app(policy=None, mode="encoder", encoder=FailingEncoder())
         elif name == "encoder-full":  # a queue of size 0 is always full
@@ -375,6 +377,9 @@ EXAMPLES: dict[str, list[Producer]] = {
     "method_not_allowed": [
         lambda lab: lab.send("plain", "PUT", "/v1/chat/completions", chat()),
     ],
+    "invalid_api_key": [
+        lambda lab: lab.send("locked", "POST", "/v1/chat/completions", chat()),
+    ],
 }
 
 # Messages quoted in a section's prose ("Other messages: ..."), each with a request that
@@ -459,6 +464,13 @@ MESSAGES: list[tuple[str, str, Producer]] = [
         "/v1/validate answers POST only",
         lambda lab: lab.send("plain", "GET", "/v1/validate"),
     ),
+    (
+        "invalid_api_key",
+        "the API key is not valid",
+        lambda lab: lab.send(
+            "locked", "POST", "/v1/chat/completions", chat(), authorization="Bearer wrong-key"
+        ),
+    ),
 ]
 
 # Quoted messages no test here produces, and why.
@@ -534,6 +546,10 @@ def test_headers_the_page_names_are_sent(lab: Lab) -> None:
     allow = re.search(r"with `Allow: ([A-Z, ]+)`", SECTIONS["method_not_allowed"])
     assert allow is not None
     assert EXAMPLES["method_not_allowed"][0](lab).headers["allow"] == allow.group(1)
+    challenge = re.search(r"with `WWW-Authenticate: ([^`]+)`", SECTIONS["invalid_api_key"])
+    assert challenge is not None
+    produced = EXAMPLES["invalid_api_key"][0](lab)
+    assert produced.headers["www-authenticate"] == challenge.group(1)
 
 
 @pytest.mark.parametrize(

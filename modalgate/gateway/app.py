@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modalgate.encoder_adapter import EncoderAdapter, create_encoder
 from modalgate.errors import ErrorCode, Violation
+from modalgate.gateway.gate.auth import ApiKeyAuth, configured_keys
 from modalgate.gateway.gate.middleware import (
     DEFAULT_PATHS,
     DEFAULT_RESPONSES_PATHS,
@@ -40,6 +41,7 @@ from modalgate.gateway.gate.send import json_bytes, send_error
 from modalgate.gateway.observability.logs import configure_logging, log_outcome
 from modalgate.gateway.observability.metrics import GatewayMetrics, metrics_endpoint
 from modalgate.gateway.observability.request_id import RequestId
+from modalgate.gateway.observability.startup import in_effect
 from modalgate.gateway.reload import PolicyReloader
 from modalgate.gateway.service.authz import (
     AllowChecked,
@@ -48,6 +50,7 @@ from modalgate.gateway.service.authz import (
     authz_problems,
 )
 from modalgate.gateway.service.catalog import ModelCatalog
+from modalgate.gateway.service.dry_run import dry_run_endpoint
 from modalgate.gateway.service.embeds import unserved_embeds
 from modalgate.gateway.service.encode import ENCODE_PATH, encode_endpoint
 from modalgate.gateway.service.health import Readiness
@@ -61,6 +64,7 @@ VALIDATE_PATH = "/v1/validate"
 VALIDATE_RESPONSES_PATH = "/v1/validate/responses"  # a Responses API body's verdict
 MODELS_PATH = "/v1/models"
 RETIRED_GRACE_S = 60.0  # a replaced fetcher or upstream pool outlives its last requests
+logger = logging.getLogger("modalgate.gateway")
 
 
 class Gateway:
@@ -126,7 +130,11 @@ class Gateway:
         gate: ASGIApp = self.gate
         if settings.authz_prefix:
             gate = AuthzChecks(gate, settings.authz_prefix)
-        self.app: ASGIApp = RequestId(gate, access_log=settings.access_log)
+        # The lock comes before anything reads a body; inside RequestId, which reads only
+        # the id header, so a refused request still has an id and an access line.
+        self.api_keys = configured_keys(settings.api_keys, settings.api_key_file)
+        locked = ApiKeyAuth(gate, self.api_keys, open_paths=self.open_paths())
+        self.app: ASGIApp = RequestId(locked, access_log=settings.access_log)
         for spec, adapter in self.adapters_by_spec.items():
             self.metrics.watch_encoder(adapter, spec.partition(":")[0])
         if encoder is not None:
@@ -203,6 +211,12 @@ class Gateway:
         known = {m.casefold(): m for m in listed if self.gate.matcher.resolve(m).known}
         return next(iter(known.values())) if len(known) == 1 else None
 
+    def open_paths(self) -> list[str]:
+        """What a prober or scraper reaches without a key (unless told to ask for one)."""
+        if self.settings.auth_health_and_metrics:
+            return []
+        return ["/healthz", "/readyz", self.settings.metrics_path]
+
     def _observe(self, outcome: GateOutcome) -> None:
         self.metrics.observe_outcome(outcome)
         log_outcome(outcome)
@@ -221,7 +235,7 @@ class Gateway:
         ]
         if not self.proxying:
             gated = (*DEFAULT_PATHS, *DEFAULT_RESPONSES_PATHS)
-            routes += [OwnRoute(p, _verdict, methods=["POST"]) for p in gated]
+            routes += [OwnRoute(p, dry_run_endpoint, methods=["POST"]) for p in gated]
         if self.adapters:
             routes.append(
                 OwnRoute(
@@ -249,6 +263,7 @@ class Gateway:
                     group.start_soon(self.reloader.run, self.settings.watch_policy)
                 if self.upstreams.configured:
                     group.start_soon(self.upstreams.watch, self.settings.upstream_health_interval_s)
+                logger.info("gateway started", extra={"fields": in_effect(self)})
                 try:
                     yield
                 finally:

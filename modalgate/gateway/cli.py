@@ -93,13 +93,15 @@ def _setting_flags(parser: argparse.ArgumentParser) -> None:
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         options: dict[str, Any] = {"dest": name, "metavar": extra.get("metavar")}
         annotation = field.annotation
-        default = "" if field.default is None else f" (default {field.default})"
+        default = "" if field.default in (None, ()) else f" (default {field.default})"
         if annotation is bool:
             options = {"dest": name, "action": argparse.BooleanOptionalAction}
         elif get_origin(annotation) is Literal:
             options = {"dest": name, "choices": get_args(annotation)}
         elif annotation in (int, float):
             options["type"] = annotation
+        elif get_origin(annotation) is tuple:  # given once per value: --api-key A --api-key B
+            options["action"] = "append"
         parser.add_argument(flag_name(name), help=f"{field.description}{default}", **options)
 
 

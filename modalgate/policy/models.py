@@ -18,7 +18,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from modalgate.settings import ServerSection
+from modalgate.settings import ServerSection, upstream_root
 
 # Media modalities a rule can accept; text always passes.
 MediaModality = Literal["image", "video", "audio", "file", "embeddings"]
@@ -162,7 +162,7 @@ class UpstreamTarget(_Strict):
     def _http_url(cls, url: str) -> str:
         if not url.startswith(("http://", "https://")):
             raise PydanticCustomError("upstream_url", "an upstream must be an http(s) URL")
-        return url.rstrip("/")
+        return upstream_root(url)  # with or without /v1, like --upstream
 
 
 class ModelRule(_Strict):

@@ -1,0 +1,32 @@
+"""The one start-up line: what a gateway runs with, so an operator reading the log knows
+the mode, policy, rules, upstreams, encoders and lock in force without reading flags,
+variables and a policy file's ``server:`` section side by side."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from modalgate.gateway.app import Gateway
+
+
+def in_effect(gateway: Gateway) -> dict[str, object]:
+    """The fields of the ``gateway started`` line; never a key, only how many."""
+    settings = gateway.settings
+    routes = [
+        f"{route.name}={','.join(target.url for target, _ in route.targets)}"
+        for route in gateway.upstreams.routes
+    ]
+    encoders = list(gateway.adapters_by_spec)
+    if gateway.default_encoder is not None:
+        encoders.append(f"{settings.encoder or gateway.default_encoder.name} (default)")
+    return {
+        "serving": "proxy" if gateway.proxying else "validation service (dry run)",
+        "mode": settings.mode,
+        "policy": settings.policy or "built-in",
+        "rules": len(gateway.gate.matcher.rules),
+        "upstreams": "; ".join(routes) or None,
+        "encoders": ", ".join(encoders) or None,
+        "api_keys": len(gateway.api_keys),
+        "open_paths": ", ".join(gateway.open_paths()) if gateway.api_keys else "all",
+    }
