@@ -148,6 +148,12 @@ class GatewaySettings(BaseSettings):
     )
     grace_period_s: float = Field(
         30.0,
+    workers: int = Field(
+        1,
+        ge=1,
+        description="worker processes sharing the port (one /metrics for all of them)",
+        json_schema_extra=_flag("N"),
+    )
         ge=0,
         description="on SIGTERM, seconds to let requests and streams in flight finish",
         json_schema_extra=_flag("S"),

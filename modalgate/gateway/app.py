@@ -50,6 +50,7 @@ from modalgate.gateway.service.authz import (
     authz_problems,
 )
 from modalgate.gateway.service.catalog import ModelCatalog
+from modalgate.gateway.service.drain import Drain
 from modalgate.gateway.service.dry_run import dry_run_endpoint
 from modalgate.gateway.service.embeds import unserved_embeds
 from modalgate.gateway.service.encode import ENCODE_PATH, encode_endpoint
@@ -116,6 +117,9 @@ class Gateway:
             on_outcome=self._observe,
             responses_paths=[VALIDATE_RESPONSES_PATH, *DEFAULT_RESPONSES_PATHS],
             served_model=self.served_model,
+            # Shadow mode forwards: where the verdict is the answer, it is the verdict.
+            enforce=(None if settings.enforce else False) if self.proxying else True,
+            enforced_paths=[VALIDATE_PATH, VALIDATE_RESPONSES_PATH, ENCODE_PATH],
         )
         self.reloader = (
             PolicyReloader(
@@ -134,7 +138,13 @@ class Gateway:
         # the id header, so a refused request still has an id and an access line.
         self.api_keys = configured_keys(settings.api_keys, settings.api_key_file)
         locked = ApiKeyAuth(gate, self.api_keys, open_paths=self.open_paths())
-        self.app: ASGIApp = RequestId(locked, access_log=settings.access_log)
+        # Outermost: the drain counts every request in flight (``modalgate serve`` enables it).
+        self.drain = Drain(
+            RequestId(locked, access_log=settings.access_log),
+            self.readiness,
+            settings.grace_period_s,
+        )
+        self.app: ASGIApp = self.drain
         for spec, adapter in self.adapters_by_spec.items():
             self.metrics.watch_encoder(adapter, spec.partition(":")[0])
         if encoder is not None:
@@ -273,6 +283,7 @@ class Gateway:
             await self.upstreams.aclose()
             for adapter in self.adapters:
                 await adapter.close()
+            self.metrics.worker_exited()
 
 
 class OwnRoute(Route):

@@ -114,11 +114,11 @@ def _load(args: argparse.Namespace) -> Policy | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
     from pydantic import ValidationError
 
     from modalgate.gateway.app import StartupError, create_app
-    from modalgate.gateway.observability.logs import configure_logging, uvicorn_log_config
+    from modalgate.gateway.observability.logs import configure_logging
+    from modalgate.gateway.server import run_single, run_workers
     from modalgate.settings import load_settings, policy_location
 
     flags = {name: getattr(args, name) for name in GatewaySettings.model_fields}
@@ -140,19 +140,7 @@ def _serve(args: argparse.Namespace) -> int:
     except StartupError as exc:  # an operator's problem: one line, no traceback
         print(str(exc), file=sys.stderr)
         return EXIT_USAGE
-    uvicorn.run(
-        gateway,
-        host=settings.host,
-        port=settings.port,
-        log_config=uvicorn_log_config(settings.log_level, settings.log_format),
-        access_log=False,  # RequestId writes the access log, with the request id
-        timeout_graceful_shutdown=settings.grace_period_s,
-        server_header=False,  # the upstream's own Server and Date headers pass through
-        date_header=False,
-        # X-Forwarded-For is passed on as a chain, not folded into the client address.
-        proxy_headers=False,
-        lifespan="on",
-    )
+    run_single(gateway, settings)
     return EXIT_OK
 
 

@@ -49,6 +49,7 @@ class ResolvedRule:
     fallback: tuple[tuple[str, str], ...] = ()  # (modality, model) pairs: hashable
     known: bool = True
 
+    enforce: bool = True  # False: its refusals are shadowed (the rule's, else the policy's)
     def fallback_for(self, modality: str) -> str | None:
         return dict(self.fallback).get(modality)
 
@@ -90,6 +91,7 @@ class RuleMatcher:
             known=False,
         )
         self.resolve = lru_cache(maxsize=1024)(self._resolve)
+            enforce=policy.enforce,
 
     def _resolve(self, model: str) -> ResolvedRule:
         """The rule for ``model``; an unknown model gets the defaults with ``known=False``."""
@@ -125,6 +127,7 @@ class RuleMatcher:
             fallback=tuple(sorted((best_rule.fallback or {}).items())),
         )
 
+            enforce=self.policy.enforce if best_rule.enforce is None else best_rule.enforce,
 
 def _compile(index: int, pattern: str) -> _Pattern:
     folded = pattern.casefold()

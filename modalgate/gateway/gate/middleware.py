@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from os import PathLike
 from typing import TypeVar
 
@@ -28,6 +29,7 @@ from modalgate.gateway.gate.paths import with_normalized_path
 from modalgate.gateway.gate.pipeline import Decider
 from modalgate.gateway.gate.remote_media import MediaStage
 from modalgate.gateway.gate.send import send_error
+from modalgate.gateway.gate.shadow import SHADOW_HEADER, shadow_header
 from modalgate.policy import Policy, RuleMatcher, load_policy
 from modalgate.policy.endpoints import EndpointTable
 from modalgate.validators import Verdict
@@ -58,10 +60,15 @@ class ModalGate:
         on_outcome: OutcomeObserver | None = None,
         responses_paths: Iterable[str] = DEFAULT_RESPONSES_PATHS,
         served_model: str | ServedModel | None = None,
+        enforce: bool | None = None,
+        enforced_paths: Iterable[str] = (),
     ) -> None:
         """``served_model``: the model the app behind serves, whatever name a request
         carries (a server of one model ignores the name); or a callable that tells it
-        per request. Requests are then judged as that model."""
+        per request. Requests are then judged as that model.
+
+        ``enforce``: shadow mode (``shadow.py``): None as the policy says, False for every
+        rule, True never; never on ``enforced_paths`` (where the verdict is the answer)."""
         self.app = app
         self.on_outcome = on_outcome
         self.served: ServedModel | None = (
@@ -76,6 +83,8 @@ class ModalGate:
         }
         self.validation_threads = validation_threads
         self._limiter: anyio.CapacityLimiter | None = None
+        self.enforce = enforce
+        self.enforced_paths = frozenset(p.rstrip("/") for p in enforced_paths)
         self.set_policy(policy if isinstance(policy, Policy) else load_policy(policy), mode)
 
     def set_policy(self, policy: Policy, mode: str | None = None) -> None:
@@ -90,7 +99,8 @@ class ModalGate:
         self.endpoints = EndpointTable(policy.endpoints)
         self.media = MediaStage(policy.media_urls)
         # One object per policy: a request in flight keeps the one it started with.
-        self.decider = Decider(self.matcher, self.media, self.served, self.run_cpu)
+        self.decider = Decider(self.matcher, self.media, self.served, self.run_cpu, self.enforce)
+        self.strict_decider = replace(self.decider, enforce=True)
         self.read_cap = max(
             [policy.limits.max_body_bytes]
             + [
@@ -109,18 +119,22 @@ class ModalGate:
         return self.matcher.mode
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self.app(scope, receive, self._closing_on_shutdown(send))
-            return
-        if scope["type"] != "http":
+        kind = scope["type"]
+        if kind != "http":
+            if kind == "lifespan":
+                send = self._closing_on_shutdown(send)
             await self.app(scope, receive, send)
             return
         scope = with_normalized_path(scope)
-        api = self.api_of(scope["path"])
+        path = scope["path"]
+        # A given path as spelled (the common case) is one lookup; the rest via api_of.
+        api = self._given.get(path) or self.api_of(path)
         if api is None:
             await self.app(scope, receive, send)
         elif scope["method"] == "POST":
-            gated = _GatedRequest(self, self.decider, self.read_cap, api)
+            strict = bool(self.enforced_paths) and path.rstrip("/") in self.enforced_paths
+            decider = self.strict_decider if strict else self.decider
+            gated = _GatedRequest(self, decider, self.read_cap, api)
             await gated(scope, receive, send)
         elif _has_body(scope):
             # A body on another method would reach a server that reads it (SGLang takes
@@ -179,7 +193,7 @@ class _GatedRequest:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.started = time.perf_counter()
         self.path = scope["path"]
-        refusal = _header_refusal(_body_headers(scope), self.read_cap)
+        refusal = _header_refusal(scope["headers"], self.read_cap)
         if refusal is not None:
             self.gate.report_early_refusal(self.path, refusal, started=self.started)
             await send_error(send, [refusal])
@@ -192,17 +206,19 @@ class _GatedRequest:
         verdict = decision.verdict
         if verdict.routed_from is not None:
             send = _with_header(send, ROUTED_TO_HEADER, (verdict.model or "").encode())
+        if decision.shadowed:
+            send = _with_header(send, SHADOW_HEADER, shadow_header(verdict.violations))
         if decision.body is not body:
             body = decision.body
             scope = dict(scope, headers=with_content_length(scope, len(body)))
-        self._report(verdict, received)
-        if not verdict.accepted:
+        self._report(verdict, received, decision.shadowed)
+        if not decision.forwards:
             await send_error(send, verdict.violations)
             return
         scope.setdefault("state", {})[VERDICT_STATE_KEY] = verdict
         await self.gate.app(scope, _replay(body, receive), send)
 
-    def _report(self, verdict: Verdict, body_bytes: int) -> None:
+    def _report(self, verdict: Verdict, body_bytes: int, shadowed: bool = False) -> None:
         if self.gate.on_outcome is None:
             return
         rule = verdict.rule
@@ -214,6 +230,7 @@ class _GatedRequest:
                 mode=self.decider.matcher.mode,
                 rule=rule.name if rule is not None and rule.known else None,
                 routed_from=verdict.routed_from,
+                shadowed=shadowed,
                 body_bytes=body_bytes,
                 seconds=time.perf_counter() - self.started,
                 path=self.path,
@@ -235,9 +252,10 @@ class _GatedRequest:
                 self.gate.report_early_refusal(self.path, refusal, size, self.started)
                 await send_error(send, [refusal])
                 return None
-            chunks.append(chunk)
             if not message.get("more_body", False):
-                return b"".join(chunks)
+                # A body in one message (most small ones) is passed on as that very object.
+                return b"".join((*chunks, chunk)) if chunks else chunk
+            chunks.append(chunk)
 
 
 def get_verdict(scope: Scope) -> Verdict | None:
@@ -285,17 +303,18 @@ def _has_body(scope: Scope) -> bool:
     return False
 
 
-_BODY_HEADERS = frozenset({b"content-type", b"content-encoding", b"content-length"})
-
-
-def _body_headers(scope: Scope) -> dict[bytes, bytes]:
-    # ASGI servers send lower-case names; only the three that describe the body matter.
-    return {name: value for name, value in scope["headers"] if name in _BODY_HEADERS}
-
-
-def _header_refusal(headers: dict[bytes, bytes], cap: int) -> Violation | None:
-    content_type = headers.get(b"content-type")
-    if content_type is not None:
+def _header_refusal(headers: Iterable[tuple[bytes, bytes]], cap: int) -> Violation | None:
+    """What is wrong with the three headers that describe the body (the last of each
+    counts; ASGI servers send lower-case names), read in one pass over the headers."""
+    content_type = encoding = length = None
+    for name, value in headers:
+        if name == b"content-type":
+            content_type = value
+        elif name == b"content-length":
+            length = value
+        elif name == b"content-encoding":
+            encoding = value
+    if content_type is not None and content_type != b"application/json":
         main = content_type.split(b";", 1)[0].strip().lower()
         if main != b"application/json" and not (
             main.startswith(b"application/") and main.endswith(b"+json")
@@ -305,13 +324,11 @@ def _header_refusal(headers: dict[bytes, bytes], cap: int) -> Violation | None:
                 ErrorCode.INVALID_REQUEST,
                 f"the request body must be JSON (Content-Type: application/json), not {shown!r}",
             )
-    encoding = headers.get(b"content-encoding", b"identity").strip().lower()
-    if encoding not in (b"identity", b""):
+    if encoding is not None and encoding.strip().lower() not in (b"identity", b""):
         return Violation(
             ErrorCode.INVALID_REQUEST,
             "compressed request bodies (Content-Encoding) are not accepted",
         )
-    length = headers.get(b"content-length")
     if length is not None:
         try:
             declared = int(length)

@@ -23,6 +23,8 @@ class GateOutcome:
     seconds: float  # read + validate + fetch, up to the forward or the error
     path: str = ""
     routed_from: str | None = None  # the rule a fallback routed away from (``rule`` is the new)
+    # Shadow mode: refused by the policy (``violations``, ``status``), forwarded anyway.
+    shadowed: bool = False
 
     @classmethod
     def early_refusal(

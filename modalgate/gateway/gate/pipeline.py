@@ -5,16 +5,18 @@ The middleware (and through it ``/v1/validate`` and ``/v1/encode``) and
 verdict wherever it arrives. Validation and rewrites are CPU work handed to
 ``run_cpu`` (inline for small bodies, a worker thread for big ones); fetching
 remote media is the one I/O step, and an entry point may leave it out.
+In shadow mode (``shadow.py``) a refusal the policy covers goes on anyway, reported.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from modalgate.errors import Violation
 from modalgate.gateway.gate.remote_media import MediaStage
+from modalgate.gateway.gate.shadow import enforced, in_shadow_mode, lenient_matcher, may_shadow
 from modalgate.policy import RuleMatcher
 from modalgate.validators import Verdict, validate_body, with_fallback
 from modalgate.validators.json_body import Location, rewrite_json_body
@@ -35,6 +37,15 @@ class Decision:
 
     verdict: Verdict
     body: bytes  # the very object received when nothing was rewritten
+    # Shadow mode: the verdict's refusal is reported, and the request goes on anyway.
+    shadowed: bool = False
+
+    @property
+    def forwards(self) -> bool:
+        return self.verdict.accepted or self.shadowed
+
+
+Edits = list[tuple[Location, object]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,28 +54,66 @@ class Decider:
     media: MediaStage | None  # None: remote media are judged by their URL alone
     served: ServedModel | None = None
     run_cpu: RunCpu = run_inline
+    # Shadow mode (shadow.py): None as the policy says, False for every rule, True never.
+    enforce: bool | None = None
 
     async def decide(self, body: bytes, api: Api = "chat") -> Decision:
         received = len(body)
         verdict: Verdict = await self.run_cpu(
             received, validate_body, body, self.matcher, api, self.served
         )
-        edits: list[tuple[Location, object]] = []
+        edits: Edits = []
         if not verdict.accepted and verdict.rule is not None and verdict.rule.fallback:
-            verdict = await self.run_cpu(received, with_fallback, verdict, self.matcher, received)
+            routed = await self.run_cpu(received, with_fallback, verdict, self.matcher, received)
+            # Where the fallback refuses too, a shadowed request goes on to the model it named.
+            if routed.accepted or not may_shadow(verdict, self.enforce):
+                verdict = routed
             if verdict.routed_from is not None and verdict.accepted:
                 edits.append((("model",), verdict.model))
-        if verdict.accepted and verdict.remote_parts and self.media is not None:
-            verdict = await self.media.fetch(verdict)
-            if verdict.accepted and self.media.inline:
-                inlined = self.media.inlined(verdict)
-                if isinstance(inlined, Violation):
-                    verdict = verdict.with_violations(inlined)
-                else:
-                    edits += inlined
-        if verdict.accepted and edits:
+        if not verdict.accepted:
+            if may_shadow(verdict, self.enforce):
+                return await self._shadowed(verdict, body, api)
+            return Decision(verdict, body)
+        if verdict.remote_parts and self.media is not None:
+            shadow = in_shadow_mode(verdict.rule, self.enforce)
+            verdict, inlined = await self._fetched(verdict, shadow)
+            edits += inlined
+        shadowed = may_shadow(verdict, self.enforce)
+        if (verdict.accepted or shadowed) and edits:
             # Only the edited values change; every other byte's meaning, numbers included,
             # goes on as the client sent it.
             grown = received + sum(p.inlined_size() for p in verdict.remote_parts)
             body = await self.run_cpu(grown, rewrite_json_body, body, edits)
-        return Decision(verdict, body)
+        return Decision(verdict, body, shadowed)
+
+    async def _fetched(self, verdict: Verdict, shadow: bool) -> tuple[Verdict, Edits]:
+        """``verdict`` once its remote media are fetched and checked, and the edits that
+        inline them where the request goes on (accepted, or shadowed)."""
+        assert self.media is not None
+        verdict = await self.media.fetch(verdict)
+        goes_on = verdict.accepted or (shadow and not enforced(verdict.violations))
+        if not goes_on or not self.media.inline:
+            return verdict, []
+        inlined = self.media.inlined(verdict)
+        if isinstance(inlined, Violation):
+            return verdict.with_violations(inlined), []
+        return verdict, list(inlined)
+
+    async def _shadowed(self, verdict: Verdict, body: bytes, api: Api) -> Decision:
+        """``verdict``'s refusal shadowed, once the request passes what shadow mode never
+        lets through (read under the lenient policy: every part, every URL fetched);
+        else refused for that first."""
+        received = len(body)
+        lenient: Verdict = await self.run_cpu(
+            received, validate_body, body, lenient_matcher(self.matcher), api, self.served
+        )
+        edits: Edits = []
+        if not enforced(lenient.violations) and lenient.remote_parts and self.media is not None:
+            lenient, edits = await self._fetched(lenient, shadow=True)
+        refusal = enforced(lenient.violations)
+        if refusal:
+            return Decision(replace(verdict, violations=(*refusal, *verdict.violations)), body)
+        if edits:
+            grown = received + sum(p.inlined_size() for p in lenient.remote_parts)
+            body = await self.run_cpu(grown, rewrite_json_body, body, edits)
+        return Decision(verdict, body, shadowed=True)

@@ -176,7 +176,8 @@ def uvicorn_log_config(level: str = "info", fmt: Literal["json", "text"] = "json
 
 
 def log_outcome(outcome: GateOutcome) -> None:
-    """An ``OutcomeObserver``: one INFO line per refusal or fallback; others only at DEBUG."""
+    """An ``OutcomeObserver``: one INFO line per refusal (shadowed or not) or fallback;
+    others only at DEBUG."""
     if outcome.accepted and outcome.routed_from is not None:
         logger.info("request_rerouted", extra={"fields": _outcome_fields(outcome)})
         return
@@ -192,7 +193,10 @@ def log_outcome(outcome: GateOutcome) -> None:
         message=outcome.violations[0].message if outcome.violations else None,
         violations=len(outcome.violations),
     )
-    logger.info("request_rejected", extra={"fields": fields})
+    # Shadow mode: the same fields, for a refusal that was forwarded all the same.
+    logger.info(
+        "request_shadowed" if outcome.shadowed else "request_rejected", extra={"fields": fields}
+    )
 
 
 def _outcome_fields(outcome: GateOutcome) -> dict[str, Any]:

@@ -8,10 +8,16 @@ the model string a client sent, which could be anything.
 Encoder figures the adapters already count (queue depth, cache hits) are read
 at scrape time by a collector, so the encode path pays nothing for them; batch
 size and forward-pass latency come from the batcher's ``on_batch`` hook.
+
+Under several worker processes (``modalgate serve --workers N``) the values live
+in Prometheus's multiprocess files (``PROMETHEUS_MULTIPROC_DIR``, set before the
+workers import prometheus_client), and a scrape of any worker sums them all; the
+encoder figures read at scrape time are then the answering worker's own.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -19,6 +25,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
@@ -36,6 +43,12 @@ UPSTREAM_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 STREAM_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 BATCH_SIZE_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
 BATCH_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+MULTIPROC_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def multiprocess_dir() -> str | None:
+    """Where the workers' metric files are, when this process is one of several."""
+    return os.environ.get(MULTIPROC_DIR_VARIABLE) or None
 
 
 class GatewayMetrics:
@@ -43,6 +56,7 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.multiprocess_dir = multiprocess_dir()
         r = self.registry
         self.requests = Counter(
             "modalgate_requests",
@@ -94,6 +108,14 @@ class GatewayMetrics:
             "modalgate_policy_last_reload_timestamp_seconds",
             "Unix time of the last successful policy reload.",
             registry=r,
+            multiprocess_mode="max",  # the latest reload among the workers
+        )
+        self.shadow_refusals = Counter(
+            "modalgate_shadow_refusals",
+            "Requests shadow mode forwarded that the policy refuses, by rule and the code"
+            " enforcing would have answered.",
+            ["model", "code"],
+            registry=r,
         )
         self.fallback_routes = Counter(
             "modalgate_fallback_routes",
@@ -120,12 +142,11 @@ class GatewayMetrics:
 
     def observe_outcome(self, outcome: GateOutcome) -> None:
         """An ``OutcomeObserver``: one count and two observations per decided request."""
-        self.requests.labels(
-            outcome.rule or "unknown",
-            outcome.mode or "",
-            "accepted" if outcome.accepted else "rejected",
-            outcome.code or "",
-        ).inc()
+        rule = outcome.rule or "unknown"
+        verb = "shadowed" if outcome.shadowed else "accepted" if outcome.accepted else "rejected"
+        self.requests.labels(rule, outcome.mode or "", verb, outcome.code or "").inc()
+        if outcome.shadowed:
+            self.shadow_refusals.labels(rule, outcome.code or "").inc()
         self.validation_seconds.observe(outcome.seconds)
         self.body_bytes.observe(outcome.body_bytes)
         if outcome.routed_from is not None and outcome.accepted:
@@ -171,7 +192,17 @@ class GatewayMetrics:
     def render(self, accept: str | None = None) -> tuple[bytes, str]:
         """The exposition (body, content type); OpenMetrics when ``accept`` asks for it."""
         encoder, content_type = choose_encoder(accept or "")
-        return encoder(self.registry), content_type
+        if self.multiprocess_dir is None:
+            return encoder(self.registry), content_type
+        registry = CollectorRegistry()  # every worker's files, read afresh for each scrape
+        MultiProcessCollector(registry, self.multiprocess_dir)
+        registry.register(self._encoders)
+        return encoder(registry), content_type
+
+    def worker_exited(self) -> None:
+        """Let the files of this worker's live series go (a worker's last act)."""
+        if self.multiprocess_dir is not None:
+            mark_process_dead(os.getpid(), self.multiprocess_dir)
 
 
 def metrics_endpoint(metrics: GatewayMetrics) -> Callable[[Request], Awaitable[Response]]:

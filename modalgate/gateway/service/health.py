@@ -44,10 +44,14 @@ class Readiness:
     def __init__(self, upstreams: Upstreams) -> None:
         self.upstreams = upstreams
         self.encoders_warm = False
+        self.draining = False  # SIGTERM under modalgate serve: requests in flight finishing
         self._states: dict[str, UpstreamState] = {}
         self._lock = anyio.Lock()
 
     async def endpoint(self, request: Request) -> Response:
+        if self.draining:  # out of the balancer at once; nothing else to probe
+            body = json_bytes({"status": "not_ready", "reason": "draining"})
+            return Response(body, 503, media_type="application/json")
         states = await self.upstream_states()
         routes = {
             route.name: any(states[target.url].reason is None for target, _ in route.targets)

@@ -1,0 +1,95 @@
+"""``modalgate serve`` under uvicorn: one process, or ``--workers N`` sharing the port.
+
+With several workers uvicorn starts each in its own process and each builds its
+own gateway (``worker_app``, a factory), so the settings travel to them as the
+``MODALGATE_*`` variables ``create_app()`` reads: the ones resolved here from
+flags, environment and the policy's ``server:`` section, which the workers then
+read back to the same values. Metrics go to Prometheus's multiprocess files in a
+directory made here and removed when the last worker is gone, so any worker's
+``/metrics`` counts every worker's requests.
+
+In both forms the gateway drains on SIGTERM (``service/drain.py``): the drain is
+the grace period, and uvicorn's own shutdown after it gets only ``HANDOVER_S``
+for requests that arrived meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from typing import Any
+
+import uvicorn
+from pydantic import SecretStr
+from uvicorn.config import STARTUP_FAILURE
+
+from modalgate.gateway.app import Gateway, StartupError, create_app
+from modalgate.gateway.observability.logs import uvicorn_log_config
+from modalgate.gateway.observability.metrics import MULTIPROC_DIR_VARIABLE
+from modalgate.settings import GatewaySettings, env_name
+
+HANDOVER_S = 1.0
+
+
+def run_single(gateway: Gateway, settings: GatewaySettings) -> None:
+    gateway.drain.enabled = True
+    uvicorn.run(gateway, **_options(settings))
+
+
+def run_workers(settings: GatewaySettings) -> None:
+    """``settings.workers`` processes; returns when the last has exited."""
+    with tempfile.TemporaryDirectory(prefix="modalgate-metrics-") as metrics_dir:
+        os.environ.update(settings_environment(settings))
+        os.environ[MULTIPROC_DIR_VARIABLE] = metrics_dir  # read as the workers import
+        uvicorn.run(
+            f"{__name__}:worker_app", factory=True, workers=settings.workers, **_options(settings)
+        )
+
+
+def worker_app() -> Gateway:
+    """The factory each worker calls: the gateway ``MODALGATE_*`` describes, draining on
+    SIGTERM; a problem is one line and uvicorn's start-up failure (the parent stops)."""
+    try:
+        gateway = create_app()
+    except StartupError as exc:
+        print(str(exc), file=sys.stderr)
+        sys.exit(STARTUP_FAILURE)
+    gateway.drain.enabled = True
+    return gateway
+
+
+def settings_environment(settings: GatewaySettings) -> dict[str, str]:
+    """Every setting that has a value, as the variable that sets it to that value."""
+    environment = {}
+    for name in GatewaySettings.model_fields:
+        value = getattr(settings, name)
+        if value is None or value == ():
+            continue
+        environment[env_name(name)] = _text(value)
+    return environment
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):  # keys: comma separated, as MODALGATE_API_KEYS reads them
+        return ",".join(v.get_secret_value() if isinstance(v, SecretStr) else str(v) for v in value)
+    return str(value)
+
+
+def _options(settings: GatewaySettings) -> dict[str, Any]:
+    return {
+        "host": settings.host,
+        "port": settings.port,
+        "log_config": uvicorn_log_config(settings.log_level, settings.log_format),
+        "access_log": False,  # RequestId writes the access log, with the request id
+        # The drain (service/drain.py) is the grace period; this covers requests that
+        # arrive while the listening socket closes.
+        "timeout_graceful_shutdown": min(settings.grace_period_s, HANDOVER_S),
+        "server_header": False,  # the upstream's own Server and Date headers pass through
+        "date_header": False,
+        # X-Forwarded-For is passed on as a chain, not folded into the client address.
+        "proxy_headers": False,
+        "lifespan": "on",
+    }

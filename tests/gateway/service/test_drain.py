@@ -1,0 +1,91 @@
+"""SIGTERM to a real ``modalgate serve``: ``/readyz`` turns 503 "draining" at once, the
+request in flight still finishes, then the process exits."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+
+import anyio.to_thread
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from conftest import chat, serve
+from gateway_proc import GatewayProcess
+
+TIMEOUT_S = 20
+
+
+class HeldUpstream:
+    """Answers chat only when the test lets it: a request that stays in flight."""
+
+    def __init__(self) -> None:
+        self.arrived = threading.Event()
+        self.release = threading.Event()
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/health", self._models, methods=["GET"]),
+            ]
+        )
+
+    async def _chat(self, request: Request) -> JSONResponse:
+        await request.body()
+        self.arrived.set()
+        await anyio.to_thread.run_sync(self.release.wait, TIMEOUT_S)
+        return JSONResponse({"object": "chat.completion", "choices": []})
+
+    async def _models(self, request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": "held", "object": "model"}]})
+
+
+@pytest.fixture
+def held() -> Iterator[tuple[HeldUpstream, str]]:
+    upstream = HeldUpstream()
+    with serve(upstream.app()) as base:
+        yield upstream, base
+    upstream.release.set()
+
+
+def test_sigterm_drains_readyz_says_so_and_the_request_in_flight_finishes(held):
+    upstream, base = held
+    with GatewayProcess("--upstream", base, "--grace-period", "30") as gateway:
+        assert httpx.get(gateway.url + "/readyz").status_code == 200
+        answers: list[httpx.Response] = []
+        client = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(gateway.url + "/v1/chat/completions", json=chat(), timeout=TIMEOUT_S)
+            )
+        )
+        client.start()
+        assert upstream.arrived.wait(TIMEOUT_S)
+        gateway.signal(signal.SIGTERM)
+        line = gateway.wait_for_log(lambda line: line.get("event") == "draining")
+        assert line["in_flight"] == 1
+        ready = httpx.get(gateway.url + "/readyz")
+        assert (ready.status_code, ready.json()) == (
+            503,
+            {"status": "not_ready", "reason": "draining"},
+        )
+        assert httpx.get(gateway.url + "/healthz").status_code == 200  # still answering
+        assert gateway.process.poll() is None
+        upstream.release.set()
+        client.join(TIMEOUT_S)
+        assert [answer.status_code for answer in answers] == [200]
+        gateway.process.wait(TIMEOUT_S)  # the drain ends with the last request
+
+
+def test_with_nothing_in_flight_sigterm_stops_at_once(held):
+    _, base = held
+    with GatewayProcess("--upstream", base, "--grace-period", "30") as gateway:
+        gateway.signal(signal.SIGTERM)
+        gateway.process.wait(TIMEOUT_S)  # well within the 30 s grace period
+        assert "draining" in gateway.text()
