@@ -117,6 +117,12 @@ class GatewaySettings(BaseSettings):
     )
     host: str = Field("127.0.0.1", description="bind address", json_schema_extra=_flag("H"))
     port: int = Field(8000, ge=0, le=65535, description="port", json_schema_extra=_flag("P"))
+    workers: int = Field(
+        1,
+        ge=1,
+        description="worker processes sharing the port (one /metrics for all of them)",
+        json_schema_extra=_flag("N"),
+    )
     upstream_connect_timeout_s: Seconds = Field(
         5.0, description="connecting to an upstream", json_schema_extra=_flag("S")
     )
@@ -146,14 +152,13 @@ class GatewaySettings(BaseSettings):
         description="seconds between health probes of each upstream",
         json_schema_extra=_flag("S"),
     )
+    enforce: bool = Field(
+        True,
+        description="refuse what the policy refuses; --no-enforce: shadow mode for every rule"
+        " (forwarded anyway, logged, counted, named in x-modalgate-shadow)",
+    )
     grace_period_s: float = Field(
         30.0,
-    workers: int = Field(
-        1,
-        ge=1,
-        description="worker processes sharing the port (one /metrics for all of them)",
-        json_schema_extra=_flag("N"),
-    )
         ge=0,
         description="on SIGTERM, seconds to let requests and streams in flight finish",
         json_schema_extra=_flag("S"),
@@ -197,8 +202,9 @@ class RaySettings(BaseSettings):
     coalesce_ms: float = Field(2.0, ge=0, description="window that joins concurrent requests")
 
 
-# What a policy file's ``server:`` section may set: every setting but the file's own place.
-NOT_IN_POLICY_FILE = frozenset({"policy"})
+# What a policy file's ``server:`` section may set: every setting but the file's own place,
+# and the shadow-mode switch (the policy says ``enforce`` at its top level, per rule too).
+NOT_IN_POLICY_FILE = frozenset({"policy", "enforce"})
 
 
 def _optional(field: FieldInfo) -> tuple[Any, Any]:

@@ -135,6 +135,9 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"setting {where}: {error['msg']}", file=sys.stderr)
         return EXIT_USAGE
     configure_logging(settings.log_level, settings.log_format)
+    if settings.workers > 1:  # each worker builds its own gateway (gateway/server.py)
+        run_workers(settings)
+        return EXIT_OK
     try:
         gateway = create_app(policy, settings=settings)
     except StartupError as exc:  # an operator's problem: one line, no traceback
@@ -175,7 +178,7 @@ def _decided(body: bytes, policy: Policy, args: argparse.Namespace) -> Verdict:
     async def decide() -> Verdict:
         media = MediaStage(policy.media_urls) if args.fetch else None
         try:
-            decider = Decider(RuleMatcher(policy, args.mode), media)
+            decider = Decider(RuleMatcher(policy, args.mode), media, enforce=True)  # no shadow
             return (await decider.decide(body, args.api)).verdict
         finally:
             if media is not None:

@@ -48,8 +48,8 @@ class ResolvedRule:
     upstream: tuple[UpstreamTarget, ...] | None = None
     fallback: tuple[tuple[str, str], ...] = ()  # (modality, model) pairs: hashable
     known: bool = True
-
     enforce: bool = True  # False: its refusals are shadowed (the rule's, else the policy's)
+
     def fallback_for(self, modality: str) -> str | None:
         return dict(self.fallback).get(modality)
 
@@ -89,9 +89,9 @@ class RuleMatcher:
             limits=policy.limits,
             media_roles=frozenset(policy.media_roles),
             known=False,
+            enforce=policy.enforce,
         )
         self.resolve = lru_cache(maxsize=1024)(self._resolve)
-            enforce=policy.enforce,
 
     def _resolve(self, model: str) -> ResolvedRule:
         """The rule for ``model``; an unknown model gets the defaults with ``known=False``."""
@@ -125,9 +125,9 @@ class RuleMatcher:
             embeds=best_rule.embeds,
             upstream=best_rule.upstream,
             fallback=tuple(sorted((best_rule.fallback or {}).items())),
+            enforce=self.policy.enforce if best_rule.enforce is None else best_rule.enforce,
         )
 
-            enforce=self.policy.enforce if best_rule.enforce is None else best_rule.enforce,
 
 def _compile(index: int, pattern: str) -> _Pattern:
     folded = pattern.casefold()
