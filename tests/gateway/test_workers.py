@@ -17,6 +17,7 @@ from modalgate.settings import GatewaySettings
 from toy_upstream import ToyUpstream
 
 MAX_REQUESTS = 200  # until both workers have answered: far more than ever needed
+STARTUP_S = 120
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,13 @@ def requests_by_worker(metrics_dir: Path) -> dict[str, float]:
 
 def test_metrics_count_every_workers_requests_whichever_answers(upstream, tmp_path):
     env = {"TMPDIR": str(tmp_path)}  # where the parent makes the metrics directory
-    with GatewayProcess("--workers", "2", "--upstream", upstream, env=env) as gateway:
+    gateway = GatewayProcess("--workers", "2", "--upstream", upstream, env=env)
+    try:  # three interpreters start (the parent, two workers): on a loaded machine, a while
+        gateway.wait_ready(STARTUP_S)
+    except RuntimeError:
+        gateway.stop()
+        raise
+    with gateway:
         [metrics_dir] = tmp_path.glob("modalgate-metrics-*")
         sent = 0
         while sent < MAX_REQUESTS:
