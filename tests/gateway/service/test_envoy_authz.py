@@ -275,6 +275,9 @@ def test_rewrites_ext_authz_cannot_carry_are_refused_at_start():
         fmt="yaml",
     )
     assert create_app(policy) is not None  # proxying, a fallback rewrites the body
+    deciding = create_app(settings=GatewaySettings(authz_prefix=PREFIX))
+    assert deciding.gate.media.inline is False  # fetched media: checked, never inlined
+    assert create_app().gate.media.inline is True
     with pytest.raises(StartupError, match="rule 'texty': a fallback rewrites"):
         create_app(policy, settings=GatewaySettings(authz_prefix=PREFIX))
     with pytest.raises(StartupError, match="no --upstream"):
