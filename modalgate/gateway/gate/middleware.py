@@ -134,8 +134,7 @@ class ModalGate:
         elif scope["method"] == "POST":
             strict = bool(self.enforced_paths) and path.rstrip("/") in self.enforced_paths
             decider = self.strict_decider if strict else self.decider
-            gated = _GatedRequest(self, decider, self.read_cap, api)
-            await gated(scope, receive, send)
+            await _GatedRequest(self, decider, self.read_cap, api).run(scope, receive, send)
         elif _has_body(scope):
             # A body on another method would reach a server that reads it (SGLang takes
             # PUT /generate) without being judged.
@@ -184,13 +183,15 @@ class ModalGate:
 class _GatedRequest:
     """State of one gated request, in the manner of Starlette's GZip responder."""
 
+    __slots__ = ("api", "decider", "gate", "path", "read_cap", "started")
+
     def __init__(self, gate: ModalGate, decider: Decider, read_cap: int, api: Api) -> None:
         self.gate = gate
         self.decider = decider
         self.read_cap = read_cap
         self.api = api
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def run(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.started = time.perf_counter()
         self.path = scope["path"]
         refusal = _header_refusal(scope["headers"], self.read_cap)
