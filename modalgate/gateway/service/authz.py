@@ -18,6 +18,8 @@ docs/envoy.md has the Envoy configuration.
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modalgate.gateway.gate.middleware import get_verdict
@@ -39,13 +41,10 @@ class AuthzChecks:
         self.prefix = prefix.rstrip("/")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            path: str = scope["path"]
-            if path.startswith(self.prefix) and path[len(self.prefix) : len(self.prefix) + 1] in (
-                "/",
-                "",
-            ):
-                scope = self._checked(scope, path[len(self.prefix) :] or "/")
+        if scope["type"] == "http" and scope["path"].startswith(self.prefix):
+            checked = scope["path"][len(self.prefix) :]
+            if not checked or checked.startswith("/"):  # /ext-authz-other is not a check
+                scope = self._checked(scope, checked or "/")
         await self.app(scope, receive, send)
 
     def _checked(self, scope: Scope, path: str) -> Scope:
@@ -75,11 +74,21 @@ class AllowChecked:
         verdict = get_verdict(scope)
         if verdict is not None:
             if verdict.model:
-                headers.append((MODEL_HEADER, verdict.model.encode("utf-8", "replace")))
+                headers.append((MODEL_HEADER, header_value(verdict.model)))
             if verdict.rule is not None and verdict.rule.known:
-                headers.append((RULE_HEADER, verdict.rule.name.encode("utf-8", "replace")))
+                headers.append((RULE_HEADER, header_value(verdict.rule.name)))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def header_value(text: str) -> bytes:
+    """``text`` as a header value Envoy passes on: the model name is the client's, so
+    control characters (a CR LF would start a header of the client's choosing) and
+    non-ASCII are percent-encoded; ordinary names (``moonshotai/Kimi-K3``) stay as they are."""
+    return quote(text, safe=_HEADER_SAFE).encode("ascii")
+
+
+_HEADER_SAFE = " !#$&'()*+,./:;=?@[]^_`{|}~-"
 
 
 def authz_problems(policy: Policy, mode: str | None) -> list[str]:

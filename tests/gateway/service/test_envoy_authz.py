@@ -172,6 +172,16 @@ def test_a_clean_request_passes_unchanged_with_what_the_gate_decided(client, toy
     assert received.headers["x-modalgate-rule"] == "kimi-k3"
 
 
+def test_a_model_name_cannot_add_headers_to_the_forwarded_request(envoy, toy):
+    sneaky = chat(model="my-model\r\nx-evil: 1 é")
+    answer = httpx.post(envoy + "/v1/chat/completions", json=sneaky)
+    assert answer.status_code == 200
+    (received,) = toy.received
+    assert received.headers["x-modalgate-model"] == "my-model%0D%0Ax-evil: 1 %C3%A9"
+    assert "x-evil" not in received.headers
+    assert "x-modalgate-rule" not in received.headers  # no rule of the policy judged it
+
+
 def test_a_stream_passes_through(client, toy):
     stream = client.chat.completions.create(**chat(), stream=True)
     tokens = [chunk.choices[0].delta.content for chunk in stream]
