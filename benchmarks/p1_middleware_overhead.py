@@ -1,20 +1,22 @@
 """P1: HTTP throughput of a minimal chat app, bare vs wrapped in ``ModalGate(app, policy=None)``.
 
 Two uvicorn servers (one worker each, ``--no-access-log``, log level warning)
-serve the same Starlette app on 127.0.0.1: one bare, one behind the gate with
-the built-in policy. wrk POSTs a ~300-byte text-only chat request (model
-kimi-k3, a system and a user message) at each in turn: bare, gated, bare,
-gated, bare, ... (the order flips every round) so both see the same machine
-weather. The app reads the request,
-takes its ``model`` and answers a small, fixed chat completion, as any chat
-endpoint must at the very least.
+serve the same app on 127.0.0.1: one bare, one behind the gate with the
+built-in policy. Two such pairs, each measured on its own: a Starlette app
+(target >= 0.90), and a raw ASGI app doing the same work without a framework
+(target >= 0.85: the cheaper the app, the larger the gate's share). wrk POSTs
+a ~300-byte text-only chat request (model kimi-k3, a system and a user
+message) at each server of a pair in turn: bare, gated, bare, gated, ... (the
+order flips every round) so both see the same machine weather. The app reads
+the request, takes its ``model`` and answers a small, fixed chat completion, as
+any chat endpoint must at the very least.
 
 With taskset available, each server runs on core 1 and wrk on core 0, so the
 load generator does not steal the server's CPU.
 
-Ratio = gated req/s / bare req/s (per round). Target: >= 0.90.
+Ratio = gated req/s / bare req/s (per round). One RESULT line per app.
 
-Usage: .venv/bin/python benchmarks/p1_middleware_overhead.py [--quick]
+Usage: .venv/bin/python benchmarks/p1_middleware_overhead.py [--quick] [--app starlette|raw|both]
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from _servers import PATH, ServerProcess, check_gate_in_path, free_port, pin, uv
 
 NAME = "p1_middleware_overhead"
 TARGET = 0.90
+RAW_NAME = "p1_middleware_overhead_raw"
+RAW_TARGET = 0.85
 HERE = Path(__file__).resolve().parent
 
 REQUEST = {
@@ -89,6 +93,40 @@ def make_gated():
     from modalgate import ModalGate
 
     return ModalGate(make_bare(), policy=None)
+
+
+def make_raw():
+    """The same endpoint as plain ASGI: read the body, echo its model, answer."""
+    answers = {}
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] != PATH or scope["method"] != "POST":
+            await send({"type": "http.response.start", "status": 404, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        model = json.loads(b"".join(chunks)).get("model")
+        body = answers.get(model)
+        if body is None:
+            body = answers[model] = json.dumps({**COMPLETION, "model": model}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+def make_raw_gated():
+    from modalgate import ModalGate
+
+    return ModalGate(make_raw(), policy=None)
 
 
 # ---------------------------------------------------------------- orchestration
@@ -203,6 +241,64 @@ def in_process_costs(repeats: int) -> dict[str, float]:
     return {name: min(values) for name, values in asyncio.run(measure()).items()}
 
 
+def measure_pair(
+    bare_factory: str,
+    gated_factory: str,
+    script: str,
+    rounds: int,
+    seconds: float,
+    args: argparse.Namespace,
+    server_cpu: int | None,
+    wrk_cpu: int | None,
+) -> tuple[list[float], list[float], float, int]:
+    """Per-round req/s ratios and per-CPU-second ratios of one bare/gated pair (a table
+    is printed), the bare server's median req/s, and the bad responses seen."""
+    bare = Server("bare", bare_factory, server_cpu)
+    gated = Server("gated", gated_factory, server_cpu)
+    try:
+        bare.wait_ready()
+        gated.wait_ready()
+        check_gate_in_path(bare, gated, REQUEST_BODY.encode())
+        warm_up = 1 if args.quick else 3  # seconds: imports, caches, allocator settling
+        for server in (bare, gated):
+            run_wrk(server.url, script, warm_up, args.threads, args.connections, wrk_cpu)
+        rows = []
+        ratios = []
+        cpu_ratios = []
+        problems = 0
+        for r in range(rounds):
+            measured = {}
+            # bare, gated | gated, bare | ...: the order flips every round so drift cancels.
+            for server in (bare, gated) if r % 2 == 0 else (gated, bare):
+                cpu_before = server.cpu_seconds()
+                rate, n, bad = run_wrk(
+                    server.url, script, seconds, args.threads, args.connections, wrk_cpu
+                )
+                per_cpu = n / max(server.cpu_seconds() - cpu_before, 1e-9)
+                measured[server.name] = (rate, per_cpu, bad)
+            (rate_bare, cpu_bare, bad_bare) = measured["bare"]
+            (rate_gated, cpu_gated, bad_gated) = measured["gated"]
+            problems += bad_bare + bad_gated
+            ratios.append(rate_gated / rate_bare)
+            cpu_ratios.append(cpu_gated / cpu_bare)
+            rows.append(
+                (r + 1, rate_bare, rate_gated, ratios[-1], cpu_bare, cpu_gated, cpu_ratios[-1])
+            )
+    finally:
+        bare.stop()
+        gated.stop()
+    headers = ("round", "bare req/s", "gated req/s", "ratio")
+    headers += ("bare req/cpu-s", "gated req/cpu-s", "cpu ratio")
+    print(table(headers, rows))
+    print(f"median ratio {statistics.median(ratios):.3f} (spread {spread(ratios)})")
+    print(
+        f"cross-check, requests per CPU-second of the server process (less sensitive to other load "
+        f"on the machine): median ratio {statistics.median(cpu_ratios):.3f} "
+        f"(spread {spread(cpu_ratios)})"
+    )
+    return ratios, cpu_ratios, statistics.median(row[1] for row in rows), problems
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run (~10 s)")
@@ -211,6 +307,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--connections", type=int, default=16)
     parser.add_argument("--no-pin", action="store_true", help="do not use taskset")
+    parser.add_argument("--app", choices=("starlette", "raw", "both"), default="both")
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 10)
     seconds = args.seconds or (2.0 if args.quick else 3.0)
@@ -236,74 +333,45 @@ def main() -> None:
     )
     print(f"request: POST {PATH}, {len(REQUEST_BODY)} bytes, text-only, model kimi-k3")
 
+    pairs = {
+        "starlette": ("make_bare", "make_gated", NAME, TARGET),
+        "raw": ("make_raw", "make_raw_gated", RAW_NAME, RAW_TARGET),
+    }
+    chosen = list(pairs) if args.app == "both" else [args.app]
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
         script = str(Path(tmp) / "post.lua")
         Path(script).write_text(WRK_LUA.format(body=REQUEST_BODY))
-        bare = Server("bare", "make_bare", server_cpu)
-        gated = Server("gated", "make_gated", server_cpu)
-        try:
-            bare.wait_ready()
-            gated.wait_ready()
-            check_gate_in_path(bare, gated, REQUEST_BODY.encode())
-            warm_up = 1 if args.quick else 3  # seconds: imports, caches, allocator settling
-            for server in (bare, gated):
-                run_wrk(server.url, script, warm_up, args.threads, args.connections, wrk_cpu)
-            rows = []
-            ratios = []
-            cpu_ratios = []
-            problems = 0
-            for r in range(rounds):
-                measured = {}
-                # bare, gated | gated, bare | ...: the order flips every round so drift cancels.
-                for server in (bare, gated) if r % 2 == 0 else (gated, bare):
-                    cpu_before = server.cpu_seconds()
-                    rate, n, bad = run_wrk(
-                        server.url, script, seconds, args.threads, args.connections, wrk_cpu
-                    )
-                    per_cpu = n / max(server.cpu_seconds() - cpu_before, 1e-9)
-                    measured[server.name] = (rate, per_cpu, bad)
-                (rate_bare, cpu_bare, bad_bare) = measured["bare"]
-                (rate_gated, cpu_gated, bad_gated) = measured["gated"]
-                problems += bad_bare + bad_gated
-                ratios.append(rate_gated / rate_bare)
-                cpu_ratios.append(cpu_gated / cpu_bare)
-                rows.append(
-                    (r + 1, rate_bare, rate_gated, ratios[-1], cpu_bare, cpu_gated, cpu_ratios[-1])
-                )
-        finally:
-            bare.stop()
-            gated.stop()
-
-    headers = ("round", "bare req/s", "gated req/s", "ratio")
-    headers += ("bare req/cpu-s", "gated req/cpu-s", "cpu ratio")
-    print(table(headers, rows))
-    ratio = statistics.median(ratios)
-    print(f"median ratio {ratio:.3f} (spread {spread(ratios)})")
-    print(
-        f"cross-check, requests per CPU-second of the server process (less sensitive to other load "
-        f"on the machine): median ratio {statistics.median(cpu_ratios):.3f} "
-        f"(spread {spread(cpu_ratios)})"
-    )
+        for app in chosen:
+            bare_factory, gated_factory, name, target = pairs[app]
+            print(f"\n-- {app} app: {bare_factory} vs {gated_factory}")
+            measured = measure_pair(
+                bare_factory, gated_factory, script, rounds, seconds, args, server_cpu, wrk_cpu
+            )
+            results.append((app, name, target, measured))
 
     costs = in_process_costs(3 if args.quick else 10)
     overhead = costs["gated"] - costs["bare"]
-    http_us = 1e6 / statistics.median(row[1] for row in rows)
     print(
-        f"\nin-process ASGI, no HTTP (us/request, best of repeats): "
+        f"\nin-process ASGI, no HTTP (us/request, best of repeats): Starlette "
         f"bare app {costs['bare']:.1f}, gated {costs['gated']:.1f}, gate overhead {overhead:.1f}"
     )
     print(
         f"  the gate around an app that only reads the body: {costs['gate_only']:.1f}, "
         f"of which validate_body {costs['validate']:.1f} (the rest: header checks, body read, "
-        "replay, per-request objects)"
+        "replay, per-request objects; benchmarks/p9_gate_cost.py splits it further)"
     )
-    print(
-        f"  a bare request over HTTP costs ~{http_us:.0f} us here (the uvicorn server dominates): "
-        f"expected ratio ~{http_us / (http_us + overhead):.2f}"
-    )
-    if problems:
-        print(f"WARNING: {problems} non-2xx responses or socket errors during the runs")
-    print(result_line(NAME, ratio, f">={TARGET}", ratio >= TARGET and not problems))
+    for app, _name, _target, (_ratios, _cpu, bare_rate, problems) in results:
+        http_us = 1e6 / bare_rate
+        print(
+            f"  {app}: a bare request over HTTP costs ~{http_us:.0f} us here (the uvicorn server "
+            f"dominates): expected ratio ~{http_us / (http_us + costs['gate_only']):.2f}"
+        )
+        if problems:
+            print(f"WARNING: {problems} non-2xx responses or socket errors during the {app} runs")
+    for _app, name, target, (ratios, _cpu, _rate, problems) in results:
+        ratio = statistics.median(ratios)
+        print(result_line(name, ratio, f">={target}", ratio >= target and not problems))
 
 
 if __name__ == "__main__":
