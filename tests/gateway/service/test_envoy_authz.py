@@ -263,6 +263,24 @@ def test_with_modalgate_down_envoy_refuses_and_the_upstream_sees_nothing(upstrea
     assert toy.received == []
 
 
+def test_api_keys_are_asked_for_by_the_decision_service(upstream, toy):
+    # Envoy sends the client's Authorization header with every check.
+    _, upstream_port = upstream
+    flags = ("--authz-prefix", PREFIX, "--api-key", "sk-good", "--no-access-log")
+    with GatewayProcess(*flags) as keyed:
+        config = envoy_config(free_port(), upstream_port, keyed.port)
+        with running_envoy(config, "/health") as url:
+            keys = openai.OpenAI(base_url=url + "/v1", api_key="sk-bad", max_retries=0)
+            with pytest.raises(openai.AuthenticationError) as caught:
+                keys.chat.completions.create(**chat())
+            assert caught.value.status_code == 401
+            assert caught.value.code == "invalid_api_key"
+            assert toy.received == []
+            keys = openai.OpenAI(base_url=url + "/v1", api_key="sk-good", max_retries=0)
+            keys.chat.completions.create(**chat())
+    assert len(toy.received) == 1
+
+
 def test_a_body_over_envoys_buffer_is_envoys_own_413_and_never_checked(upstream, decider, toy):
     _, upstream_port = upstream
     config = envoy_config(free_port(), upstream_port, decider.port)
