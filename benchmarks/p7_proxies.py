@@ -70,6 +70,7 @@ IMAGE_BODY_BYTES = 1_000_000
 # Longer than any peer keeps an idle connection: no peer sends on one the upstream closes.
 UPSTREAM_KEEP_ALIVE_S = 300
 WRK_TIMEOUT_S = 60  # a slow peer's answer is slow, not a socket error
+PEERS = ("nginx", "envoy", "modalgate", "litellm", "authz")  # --only names
 
 # ---------------------------------------------------------------- the upstream (uvicorn --factory)
 
@@ -174,6 +175,57 @@ def check(arm: Arm, bodies: dict[str, bytes]) -> None:
 # ---------------------------------------------------------------- main
 
 
+@dataclass(frozen=True)
+class Load:
+    seconds: float
+    connections: int
+    wrk_cpu: int | None
+
+
+def start_arms(
+    tmp: Path, processes: list[ServerProcess], upstream: int, cpu: int | None, only: set[str]
+) -> list[Arm]:
+    """Every peer that is installed (and asked for), started and listening."""
+    arms = []
+    candidates: list[tuple[str, str, Callable[[], ServerProcess | str]]] = [
+        ("nginx", "nginx", lambda: start_nginx(tmp, upstream, cpu)),
+        ("envoy", "Envoy", lambda: start_envoy(tmp, upstream, None, cpu)),
+        ("modalgate", "modalgate serve", lambda: start_modalgate(upstream, cpu)),
+        ("litellm", "LiteLLM proxy", lambda: start_litellm(tmp, upstream, cpu)),
+    ]
+    for key, label, start in candidates:
+        if key not in only:
+            continue
+        process = start()
+        if isinstance(process, str):
+            print(f"skipped {label}: {process}")
+            continue
+        process = _started(processes, process, timeout=120)
+        arms.append(Arm(label, process, {label: process}, gated=key == "modalgate"))
+    if "authz" in only:
+        decider = _started(processes, start_modalgate(None, cpu))
+        front = start_envoy(tmp, upstream, decider.port, cpu)
+        if isinstance(front, str):
+            print(f"skipped Envoy + modalgate ext_authz: {front}")
+        else:
+            measured = {"Envoy": _started(processes, front), "modalgate": decider}
+            arms.append(Arm("Envoy + modalgate ext_authz", front, measured, gated=True))
+    return arms
+
+
+def wrk_scripts(tmp: Path, bodies: dict[str, bytes]) -> dict[str, str]:
+    """One Lua script per body, reading the body from its own file."""
+    scripts = {}
+    for label, body in bodies.items():
+        stem = tmp / label.replace(" ", "-")
+        stem.with_suffix(".body").write_bytes(body)
+        stem.with_suffix(".lua").write_text(
+            WRK_LUA.format(path=stem.with_suffix(".body"), key=API_KEY)
+        )
+        scripts[label] = str(stem.with_suffix(".lua"))
+    return scripts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 round x 2 s")
@@ -181,22 +233,20 @@ def main() -> None:
     parser.add_argument("--seconds", type=float)
     parser.add_argument("--connections", type=int, default=16)
     parser.add_argument("--no-pin", action="store_true")
-    parser.add_argument(
-        "--only", help="comma-separated peers (nginx,envoy,modalgate,litellm,authz)"
-    )
+    parser.add_argument("--only", default=",".join(PEERS), help="some of: " + ",".join(PEERS))
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
-    seconds = args.seconds or (2.0 if args.quick else 5.0)
     pinned = not args.no_pin and (os.cpu_count() or 1) >= 2 and shutil.which("taskset")
     up_cpu, proxy_cpu, wrk_cpu = (UPSTREAM_CPU, PROXY_CPU, CLIENT_CPU) if pinned else (None,) * 3
-    only = set(args.only.split(",")) if args.only else None
+    load = Load(args.seconds or (2.0 if args.quick else 5.0), args.connections, wrk_cpu)
 
     print(machine_line())
     bodies = {"text": REQUEST_BODY.encode(), "1 MB image": image_body()}
     print(
         f"bodies: text {len(bodies['text'])} bytes (P1's); image {len(bodies['1 MB image'])} "
-        f"bytes (one 1920x1080 JPEG data URL); wrk -t1 -c{args.connections} -d{seconds:g}s, "
-        f"{rounds} round(s) after a 1 s warm-up; pinned: {'yes' if pinned else 'no'}"
+        f"bytes (one 1920x1080 JPEG data URL); wrk -t1 -c{load.connections} "
+        f"-d{load.seconds:g}s, {rounds} round(s) after a 1 s warm-up; "
+        f"pinned: {'yes' if pinned else 'no'}"
     )
     with tempfile.TemporaryDirectory() as tmp_name, stopping([]) as processes:
         tmp = Path(tmp_name)
@@ -204,75 +254,35 @@ def main() -> None:
         command = uvicorn_command(f"{Path(__file__).stem}:make_upstream", HERE, port, up_cpu)
         command += ["--timeout-keep-alive", str(UPSTREAM_KEEP_ALIVE_S)]
         upstream = _started(processes, ServerProcess("upstream", command, port))
-        up = upstream.port
-        arms = [Arm("direct", upstream, {})]
-
-        def want(key: str) -> bool:
-            return only is None or key in only
-
-        candidates: list[tuple[str, str, Callable[[], Any]]] = [
-            ("nginx", "nginx", lambda: start_nginx(tmp, up, proxy_cpu)),
-            ("envoy", "Envoy", lambda: start_envoy(tmp, up, None, proxy_cpu)),
-            ("modalgate", "modalgate serve", lambda: start_modalgate(up, proxy_cpu)),
-            ("litellm", "LiteLLM proxy", lambda: start_litellm(tmp, up, proxy_cpu)),
-        ]
-        for key, label, start in candidates:
-            if not want(key):
-                continue
-            process = start()
-            if isinstance(process, str):
-                print(f"skipped {label}: {process}")
-                continue
-            process = _started(processes, process, timeout=120)
-            arms.append(Arm(label, process, {label: process}, gated=key == "modalgate"))
-        if want("authz"):
-            decider = _started(processes, start_modalgate(None, proxy_cpu))
-            front = start_envoy(tmp, up, decider.port, proxy_cpu)
-            if isinstance(front, str):
-                print(f"skipped Envoy + modalgate ext_authz: {front}")
-            else:
-                front = _started(processes, front)
-                measured = {"Envoy": front, "modalgate": decider}
-                arms.append(Arm("Envoy + modalgate ext_authz", front, measured, gated=True))
+        only = set(args.only.split(","))
+        arms = [Arm("direct", upstream, {}), *start_arms(tmp, processes, port, proxy_cpu, only)]
         for arm in arms:
             check(arm, bodies)
-
-        results = {(b, arm.name): Result() for b in bodies for arm in arms}
-        scripts = {}
-        for label, body in bodies.items():
-            path = tmp / f"{label.replace(' ', '-')}.body"
-            path.write_bytes(body)
-            scripts[label] = tmp / f"{label.replace(' ', '-')}.lua"
-            scripts[label].write_text(WRK_LUA.format(path=path, key=API_KEY))
+        scripts = wrk_scripts(tmp, bodies)
+        for script in scripts.values():
             for arm in arms:
-                run_wrk(arm.front.url, str(scripts[label]), 1, args.connections, wrk_cpu)
+                run_wrk(arm.front.url, script, 1, load.connections, load.wrk_cpu)  # warm-up
+        results = {(label, arm.name): Result() for label in bodies for arm in arms}
         for r in range(rounds):
-            for label in bodies:
-                order = arms[r % len(arms) :] + arms[: r % len(arms)]
-                rates = {}
-                for arm in order:
-                    result = results[label, arm.name]
-                    load = (str(scripts[label]), seconds, args.connections, wrk_cpu)
-                    rates[arm.name] = measure(arm, upstream, result, *load)
+            order = arms[r % len(arms) :] + arms[: r % len(arms)]  # rotates every round
+            for label, script in scripts.items():
+                rates = {
+                    arm.name: measure(arm, upstream, results[label, arm.name], script, load)
+                    for arm in order
+                }
                 for arm in arms:
                     results[label, arm.name].ratios.append(rates[arm.name] / rates["direct"])
 
     _report(arms, bodies, results, rounds)
 
 
-def measure(
-    arm: Arm,
-    upstream: ServerProcess,
-    result: Result,
-    script: str,
-    seconds: float,
-    connections: int,
-    wrk_cpu: int | None,
-) -> float:
+def measure(arm: Arm, upstream: ServerProcess, result: Result, script: str, load: Load) -> float:
     """One wrk run at the arm; its rate, and each measured process's CPU per request."""
     watched = {**arm.measured, "upstream": upstream}
     before = {key: tree_cpu_seconds(p.process.pid) for key, p in watched.items()}
-    run = run_wrk(arm.front.url, script, seconds, connections, wrk_cpu, WRK_TIMEOUT_S)
+    run = run_wrk(
+        arm.front.url, script, load.seconds, load.connections, load.wrk_cpu, WRK_TIMEOUT_S
+    )
     # No request done in the run (LiteLLM under the image body, at times): no figure.
     done = run.requests or float("nan")
     per_request = {
