@@ -66,6 +66,21 @@ UpstreamUrl = Annotated[str, AfterValidator(_http_url)]
 AbsolutePath = Annotated[str, AfterValidator(_absolute)]
 Seconds = Annotated[float, Field(gt=0)]
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+# The model server behind an upstream, whose request parsing the gate follows.
+Engine = Literal["vllm", "sglang", "openai"]
+
+
+class EngineSpec(BaseModel):
+    """An upstream's engine and the server flags that change how it parses requests
+    (modalgate/validators/dialects.py): a rule's ``engine:``, or the default upstream's
+    ``--engine`` and flags. ``engine: vllm`` is short for ``{name: vllm}``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Engine
+    enable_mm_embeds: bool = False  # vLLM --enable-mm-embeds
+    enable_prompt_embeds: bool = False  # vLLM --enable-prompt-embeds
+    trust_request_mm_kwargs: bool = False  # vLLM --trust-request-mm-kwargs
 
 
 # Secrets: never in a repr, a log line or an error message.
@@ -102,6 +117,22 @@ class GatewaySettings(BaseSettings):
         " as it, whatever name they carry (default: the one policy-known model its"
         " /v1/models lists)",
         json_schema_extra=_flag("NAME"),
+    )
+    engine: Engine | None = Field(
+        None,
+        description="the default upstream's engine, whose request parsing the gate follows"
+        " (default: what its /v1/models owned_by says, else openai)",
+        json_schema_extra=_flag("ENGINE"),
+    )
+    enable_mm_embeds: bool = Field(
+        False, description="the default upstream is vLLM started with --enable-mm-embeds"
+    )
+    enable_prompt_embeds: bool = Field(
+        False, description="the default upstream is vLLM started with --enable-prompt-embeds"
+    )
+    trust_request_mm_kwargs: bool = Field(
+        False,
+        description="the default upstream is vLLM started with --trust-request-mm-kwargs",
     )
     encoder: str | None = Field(
         None,

@@ -28,6 +28,7 @@ from modalgate.policy.models import (
     TokenSpec,
     UpstreamTarget,
 )
+from modalgate.settings import EngineSpec
 
 _WILDCARD = re.compile(r"[*?\[]")
 
@@ -48,6 +49,7 @@ class ResolvedRule:
     upstream: tuple[UpstreamTarget, ...] | None = None
     fallback: tuple[tuple[str, str], ...] = ()  # (modality, model) pairs: hashable
     known: bool = True
+    engine: EngineSpec | None = None  # the rule's own server dialect (validators/dialects.py)
     enforce: bool = True  # False: its refusals are shadowed (the rule's, else the policy's)
 
     def fallback_for(self, modality: str) -> str | None:
@@ -125,6 +127,7 @@ class RuleMatcher:
             embeds=best_rule.embeds,
             upstream=best_rule.upstream,
             fallback=tuple(sorted((best_rule.fallback or {}).items())),
+            engine=best_rule.engine,
             enforce=self.policy.enforce if best_rule.enforce is None else best_rule.enforce,
         )
 

@@ -18,7 +18,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from modalgate.settings import ServerSection, upstream_root
+from modalgate.settings import EngineSpec, ServerSection, upstream_root
 
 # Media modalities a rule can accept; text always passes.
 MediaModality = Literal["image", "video", "audio", "file", "embeddings"]
@@ -183,9 +183,17 @@ class ModelRule(_Strict):
     upstream: tuple[UpstreamTarget, ...] | None = None
     # Opt-in: a request with media this model cannot take goes to the named model instead.
     fallback: dict[MediaModality, str] | None = None
+    # The server this model runs on, whose request parsing the gate follows:
+    # ``vllm``, ``sglang``, ``openai`` or {name, enable_mm_embeds, ...}; None: detected.
+    engine: EngineSpec | None = None
     # False: shadow mode for this model (refusals logged, counted, forwarded); None: the
     # policy's top-level ``enforce`` (docs/policy.md#shadow-mode-enforce).
     enforce: bool | None = None
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_by_name(cls, value: object) -> object:
+        return {"name": value} if isinstance(value, str) else value
 
     @field_validator("upstream", mode="before")
     @classmethod

@@ -20,13 +20,14 @@ to check.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from modalgate.errors import ErrorCode, Violation, path
+from modalgate.validators.dialects import KEY_ORDER, OPENAI, Dialect, PayloadForm
 from modalgate.validators.verdict import PartDraft
 
 Shape = Literal[
-    "text", "url", "input_image", "input_audio", "file", "input_file", "embeds", "never"
+    "text", "url", "input_image", "input_audio", "file", "input_file", "embeds", "tensor", "never"
 ]
 
 
@@ -55,25 +56,12 @@ PART_KINDS: dict[str, PartKind] = {
     "image_embeds": PartKind("embeddings", "image_embeds", "embeds"),
     "audio_embeds": PartKind("embeddings", "audio_embeds", "embeds"),
     "video_embeds": PartKind("embeddings", "video_embeds", "embeds"),
-    "prompt_embeds": PartKind("embeddings", "data", "embeds"),
+    "prompt_embeds": PartKind("embeddings", "data", "tensor"),
     "thinking": PartKind("text", "thinking", "text"),
     "tool_reference": PartKind("text", "name", "text"),
     "image_pil": PartKind("image", "image_pil", "never"),
 }
 
-# vLLM's order for inferring the type from the payload key (no type, or a uuid).
-INFERRED_FROM_KEY: tuple[tuple[str, str], ...] = (
-    ("image_url", "image_url"),
-    ("image_pil", "image_pil"),
-    ("image_embeds", "image_embeds"),
-    ("audio_embeds", "audio_embeds"),
-    ("video_embeds", "video_embeds"),
-    ("prompt_embeds", "prompt_embeds"),
-    ("audio_url", "audio_url"),
-    ("input_audio", "input_audio"),
-    ("video_url", "video_url"),
-    ("tool_reference", "tool_reference"),
-)
 MEDIA_KEYS = frozenset(
     {
         "image_url",
@@ -88,110 +76,152 @@ MEDIA_KEYS = frozenset(
         "file",
     }
 )
-# OpenAI's values (``original``: full resolution, newer SDKs), and SGLang's ``default``.
-IMAGE_DETAILS = frozenset({"auto", "low", "high", "original", "default"})
-_DETAIL_PROBLEM = "'detail' must be one of auto, low, high, original"
+
+
+_BOTH_FORMS: frozenset[PayloadForm] = frozenset({"object", "string"})
+
+
+class PartType(NamedTuple):
+    """A part's type as its engine reads it, and the param to blame for type-level problems."""
+
+    name: str
+    param: str
+    by_key: bool  # read from its payload key (no ``type``, or a ``uuid`` the engine reads so)
 
 
 def _bad(message: str, param: str) -> Violation:
     return Violation(ErrorCode.INVALID_REQUEST, f"{param}: {message}", param)
 
 
-def part_type_of(part: dict[str, Any], where: str) -> tuple[str, str] | Violation:
-    """The part's type and the param to blame for type-level problems."""
+def part_type_of(
+    part: dict[str, Any], where: str, dialect: Dialect = OPENAI
+) -> PartType | Violation:
+    """The part's type as ``dialect``'s engine reads it."""
     declared = part.get("type")
     type_param = path(where, "type")
     if declared is not None and not isinstance(declared, str):
         return _bad("'type' must be a string", type_param)
-    if declared is not None and part.get("uuid") is None:
-        return _known_part_type(part, declared, type_param)
-    inferred = next((kind for key, kind in INFERRED_FROM_KEY if key in part), None)
+    read_by_key = part.get("uuid") is not None and dialect.uuid != "ignored"
+    if declared is not None and not read_by_key:
+        return _known_part_type(part, PartType(declared, type_param, False), dialect)
+    if declared is None and dialect.typeless == "refused":
+        return _bad(f"content part has no 'type' ({dialect.engine} needs one)", type_param)
+    inferred = next((key for key in KEY_ORDER if key in part), None)
     if inferred is None:
         if declared is None:
-            return _bad("content part has no 'type'", type_param)
+            return _bad("content part has no 'type' and no payload key", type_param)
         return _bad("a part with 'uuid' must carry a media payload key", type_param)
-    if declared is not None and declared != inferred:
+    if declared is not None and declared != inferred and dialect.uuid == "must_agree":
         return _bad(
             f"a part with 'uuid' is read by its payload key ({inferred!r}) by some servers and"
             f" by its type ({_short(declared)!r}) by others; make them agree",
             type_param,
         )
-    return _known_part_type(part, inferred, path(where, inferred))
+    return _known_part_type(part, PartType(inferred, path(where, inferred), True), dialect)
 
 
 def _known_part_type(
-    part: dict[str, Any], declared: str, type_param: str
-) -> tuple[str, str] | Violation:
+    part: dict[str, Any], typed: PartType, dialect: Dialect
+) -> PartType | Violation:
+    declared, type_param = typed.name, typed.param
     if declared not in PART_KINDS:
         return Violation(
             ErrorCode.UNSUPPORTED_CONTENT_TYPE,
             f"{type_param}: unknown content part type {_short(declared)!r}",
             type_param,
         )
-    if declared == "image_pil":
+    cached = part.get(PART_KINDS[declared].key) is None and part.get("uuid") is not None
+    if declared == "image_pil" and not (cached and typed.by_key and "image_pil" in dialect.types):
         return Violation(
             ErrorCode.UNSUPPORTED_CONTENT_TYPE,
             f"{type_param}: 'image_pil' parts hold in-process Python images and cannot be "
             "sent over HTTP; send the image as an image_url data URL",
             type_param,
         )
+    refusal = dialect.refusal(declared)
+    if refusal is not None:
+        return _bad(refusal, type_param)
     stray = MEDIA_KEYS.intersection(part).difference((PART_KINDS[declared].key,))
-    if stray:
+    if stray and not dialect.ignores_other_keys:
         key = sorted(stray)[0]
         where = type_param.rsplit(".", 1)[0]
         return _bad(
             f"a {declared!r} part must not also carry {key!r}; send one payload per part",
             path(where, key),
         )
-    return declared, type_param
+    return typed
 
 
 def read_part(
-    part_type: str, part: dict[str, Any], where: str, role: str
+    typed: PartType, part: dict[str, Any], where: str, role: str, dialect: Dialect = OPENAI
 ) -> PartDraft | Violation | None:
-    """Check the part's shape; ``None`` for a well-formed text part."""
+    """Check the part's shape as ``dialect``'s engine takes it; ``None`` for a text part."""
+    part_type = typed.name
     kind = PART_KINDS[part_type]
     key_param = path(where, kind.key)
     value = part.get(kind.key)
+    roles = dialect.type_roles.get(part_type)
+    if roles is not None and role.casefold() not in roles:
+        return _bad(
+            f"{dialect.engine} takes {part_type!r} parts only in {', '.join(sorted(roles))}"
+            " messages",
+            path(where, "type"),
+        )
+    missing = [k for k in dialect.required_keys.get(part_type, ()) if k not in part]
+    if missing and not typed.by_key:
+        return _bad(f"{dialect.engine} needs {missing[0]!r} in {part_type!r} parts", where)
     if kind.shape == "text":
-        if not isinstance(value, str):
+        skipped = value is None and part_type in dialect.skips_null_text
+        checked = dialect.checked_text is None or part_type in dialect.checked_text
+        if checked and not isinstance(value, str) and not skipped:
             return _bad(f"'{kind.key}' must be a string", key_param)
         return None
     media = PartDraft(
         param=where, part_type=part_type, modality=kind.modality, role=role, source="url"
     )
-    if value is None and part.get("uuid") is not None and kind.key in part:
+    if value is None and typed.by_key and part.get("uuid") is not None and kind.key in part:
         media.source, media.payload_param = "cached", key_param  # vLLM's cached-media reference
         return media
     if kind.shape == "url":
-        if isinstance(value, dict):
-            detail = value.get("detail")
-            if detail is not None and (not isinstance(detail, str) or detail not in IMAGE_DETAILS):
-                return _bad(_DETAIL_PROBLEM, path(key_param, "detail"))
+        # Read by its key (vLLM), a URL may be a string or an object with ``url``.
+        forms = _BOTH_FORMS if typed.by_key else dialect.url_forms
+        if isinstance(value, dict) and "object" in forms:
+            detail = value.get("detail", "auto")
+            if part_type == "image_url" and not _detail_ok(detail, dialect.image_details):
+                return _bad(_detail_problem(dialect.image_details), path(key_param, "detail"))
             url, url_param = value.get("url"), path(key_param, "url")
-        else:
+        elif isinstance(value, str) and "string" in forms:
             url, url_param = value, key_param
+        else:
+            shape = " or ".join(
+                {"object": "an object with a string 'url'", "string": "a URL string"}[f]
+                for f in sorted(forms)
+            )
+            return _bad(f"must be {shape or 'given with a type'} ({dialect.engine})", key_param)
         media.inlinable = True
         if not isinstance(url, str):
-            if isinstance(value, dict):
-                return _bad("must be a string (a URL or a data URL)", url_param)
-            return _bad("must be a URL string or an object with a string 'url'", url_param)
+            return _bad("must be a string (a URL or a data URL)", url_param)
         return with_url(media, url, url_param)
     if kind.shape == "input_image":
-        detail = part.get("detail")
-        if detail is not None and (not isinstance(detail, str) or detail not in IMAGE_DETAILS):
-            return _bad(_DETAIL_PROBLEM, path(where, "detail"))
+        detail = part.get("detail", "auto")
+        if not _detail_ok(detail, dialect.input_image_details):
+            return _bad(_detail_problem(dialect.input_image_details), path(where, "detail"))
+        if not dialect.input_image_file_ids and not isinstance(part.get("image_url"), str):
+            return _bad(f"must be a string ({dialect.engine})", path(where, "image_url"))
         return _url_or_file_id(media, part, "image_url", where)
     if kind.shape == "input_audio":
         if not isinstance(value, dict) or not isinstance(value.get("data"), str):
             return _bad("must be an object with base64 'data' and a 'format'", key_param)
-        if not isinstance(value.get("format"), str):
+        allowed = dialect.audio_formats
+        fmt = value.get("format", "" if allowed is None else None)
+        if not isinstance(fmt, str) or (allowed is not None and fmt not in allowed):
+            shown = ", ".join(sorted(allowed)) if allowed is not None else "a string"
             return _bad(
-                "'format' must be a string such as 'wav' or 'mp3'", path(key_param, "format")
+                f"'format' must be one of {shown} ({dialect.engine})", path(key_param, "format")
             )
         media.source, media.payload = "base64", value["data"]
         media.payload_param = path(key_param, "data")
-        media.format = value["format"].lower()
+        media.format = fmt.lower() or None
         return media
     if kind.shape == "file":
         if not isinstance(value, dict):
@@ -203,13 +233,36 @@ def read_part(
             return with_url(media, url, path(where, "file_url"))  # never inlined: not a URL slot
         return _url_or_file_id(media, part, "file_data", where, bare_base64=True)
     # embeds: a base64 tensor, or a dict of them (vLLM); checked by the server that loads them.
-    well_formed = isinstance(value, str) or (
-        isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+    well_formed = (isinstance(value, str) and value != "") or (
+        kind.shape == "embeds"
+        and isinstance(value, dict)
+        and all(_tensor_or_numbers(v) for v in value.values())
     )
     if not well_formed:
+        if kind.shape == "tensor":
+            return _bad("must be a non-empty base64 string (a serialized tensor)", key_param)
         return _bad("must be a base64 string or an object of base64 strings", key_param)
     media.source, media.payload_param = "embeds", key_param
     return media
+
+
+def _tensor_or_numbers(value: Any) -> bool:
+    """A base64 tensor, or numeric metadata (vLLM's image_grid_thw and the like)."""
+    if isinstance(value, str):
+        return True
+    return isinstance(value, list) and all(
+        isinstance(n, int | float) and not isinstance(n, bool) for n in value
+    )
+
+
+def _detail_ok(detail: Any, allowed: frozenset[str | None]) -> bool:
+    if detail is None:
+        return None in allowed
+    return isinstance(detail, str) and detail in allowed
+
+
+def _detail_problem(allowed: frozenset[str | None]) -> str:
+    return f"'detail' must be one of {', '.join(sorted(d for d in allowed if d))}"
 
 
 def _url_or_file_id(

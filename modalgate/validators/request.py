@@ -24,6 +24,12 @@ from modalgate.errors import (
 )
 from modalgate.policy.matching import ResolvedRule, RuleMatcher
 from modalgate.validators.admission import admit, invalid
+from modalgate.validators.dialects import (
+    EMBEDS_MODALITY,
+    OPENAI,
+    Dialect,
+    dialect_for,
+)
 from modalgate.validators.endpoints import walk_completions, walk_generate, walk_pooling_input
 from modalgate.validators.json_body import parse_json_body
 from modalgate.validators.media_checks import (
@@ -34,6 +40,7 @@ from modalgate.validators.media_checks import (
 )
 from modalgate.validators.parts import PART_KINDS, part_type_of, read_part
 from modalgate.validators.verdict import Verdict, VerdictBuilder, refused
+from modalgate.validators.vllm_union import message_path
 
 _NAMES = {
     "image": "images",
@@ -56,6 +63,9 @@ _OTHER_WALKS = {
 # (the name a request is judged as, the rule it resolved to) -> the model that really
 # serves it, or None to judge it as named.
 ServedModel = Callable[[str, ResolvedRule], "str | None"]
+# The rule a request resolved to -> the dialect of the server that will read it (decided
+# in gateway/ from settings and the upstream's /v1/models); a rule's own ``engine`` wins.
+DialectOf = Callable[[ResolvedRule], Dialect]
 # Responses API input items that carry content parts besides messages: tool outputs.
 _OUTPUT_ITEMS = frozenset({"function_call_output", "custom_tool_call_output"})
 # Items that never carry client media (calls the model made, its reasoning, references).
@@ -83,13 +93,16 @@ _CONTENTLESS_ITEMS = frozenset(
         "compaction",
     }
 )
-_REASONING_KEYS = ("reasoning", "reasoning_content")
 # Keys through which an item of another type could carry content to a server.
 _CONTENT_KEYS = frozenset({"content", "output", "image_url", "file_data", "file_url", "input"})
 
 
 def validate_body(
-    body: bytes, matcher: RuleMatcher, api: Api = "chat", served: ServedModel | None = None
+    body: bytes,
+    matcher: RuleMatcher,
+    api: Api = "chat",
+    served: ServedModel | None = None,
+    dialect: DialectOf | None = None,
 ) -> Verdict:
     """The whole check for one request body."""
     request = parse_json_body(body)
@@ -98,7 +111,9 @@ def validate_body(
     if not isinstance(request, dict):
         not_object = Violation(ErrorCode.INVALID_JSON, "the request body must be a JSON object")
         return refused(not_object, matcher.mode)
-    return validate_request(request, matcher, body_size=len(body), api=api, served=served)
+    return validate_request(
+        request, matcher, body_size=len(body), api=api, served=served, dialect=dialect
+    )
 
 
 def validate_request(
@@ -107,8 +122,13 @@ def validate_request(
     body_size: int | None = None,
     api: Api = "chat",
     served: ServedModel | None = None,
+    dialect: DialectOf | None = None,
 ) -> Verdict:
     """Validate an already-parsed request; ``body_size`` enables the per-model body cap.
+
+    ``dialect`` says how the server behind the rule reads chat content parts
+    (``validators/dialects.py``); without one, and without an ``engine`` on the rule,
+    the server is taken for a plain OpenAI-compatible one.
 
     ``served`` says which model really answers a request routed by its rule (an
     upstream that serves one model ignores the name, or serves its default): the
@@ -146,20 +166,24 @@ def validate_request(
     if body_size is not None and body_size > rule.limits.max_body_bytes:
         verdict.violations.append(payload_too_large(rule.limits.max_body_bytes))
         return verdict.build()
+    reader = OPENAI if api == "responses" else _dialect_of(rule, dialect)
     if api == "responses":
         _walk_input(request.get("input"), rule, verdict)
     elif api == "chat" or request.get("messages") is not None:
         messages = request.get("messages")
-        if not isinstance(messages, list) or not messages:
+        if not isinstance(messages, list) or not (messages or reader.empty_messages):
             problem = "is required" if messages is None else "must be a non-empty array"
             verdict.violations.append(invalid(f"'messages' {problem}", "messages"))
             return verdict.build()
-        _walk_messages(messages, rule, verdict)
+        _check_mm_kwargs(request, reader, verdict)
+        _walk_messages(messages, rule, verdict, reader)
     if api in _OTHER_WALKS:
         _OTHER_WALKS[api](request, rule, verdict)
     if verdict.violations or not verdict.parts:
         return verdict.build()  # refused, or text only: nothing more to check
-    _check_audio_in_video(request, rule, verdict)
+    if not reader.mixes_raw_and_embeds:
+        _check_embeds_mix(verdict, reader)
+    _check_audio_in_video(request, rule, verdict, reader)
     if not verdict.violations:
         _check_counts(rule, verdict)
     if not verdict.violations:
@@ -189,7 +213,30 @@ def check_fetched(verdict: Verdict, fetched: dict[int, tuple[bytes, str | None]]
     return replace(verdict, parts=tuple(parts), violations=tuple(violations))
 
 
-def _walk_messages(messages: list[Any], rule: ResolvedRule, verdict: VerdictBuilder) -> None:
+def _dialect_of(rule: ResolvedRule, dialect: DialectOf | None) -> Dialect:
+    if rule.engine is not None:
+        return dialect_for(rule.engine)
+    return dialect(rule) if dialect is not None else OPENAI
+
+
+def _check_mm_kwargs(request: dict[str, Any], dialect: Dialect, verdict: VerdictBuilder) -> None:
+    """vLLM refuses per-request processor and media-loading kwargs unless trusted."""
+    if dialect.takes_mm_kwargs:
+        return
+    for key in ("mm_processor_kwargs", "media_io_kwargs"):
+        if request.get(key):
+            verdict.violations.append(
+                invalid(
+                    f"per-request '{key}' are refused by this {dialect.engine} server (it"
+                    " was not started with --trust-request-mm-kwargs)",
+                    key,
+                )
+            )
+
+
+def _walk_messages(
+    messages: list[Any], rule: ResolvedRule, verdict: VerdictBuilder, dialect: Dialect
+) -> None:
     violations = verdict.violations
     for i, message in enumerate(messages):
         if len(violations) >= MAX_LISTED_VIOLATIONS:
@@ -201,9 +248,10 @@ def _walk_messages(messages: list[Any], rule: ResolvedRule, verdict: VerdictBuil
             and isinstance(message.get("role"), str)
             and "reasoning" not in message
             and "reasoning_content" not in message
+            and dialect.roles is None
         ):
             continue
-        _walk_message(message, path("messages", i), rule, verdict)
+        _walk_message(message, path("messages", i), rule, verdict, dialect)
 
 
 def _walk_input(items: Any, rule: ResolvedRule, verdict: VerdictBuilder) -> None:
@@ -263,7 +311,13 @@ def _read_screenshot(output: Any, where: str, rule: ResolvedRule, verdict: Verdi
     _read_part({**output, "type": "input_image"}, where, "tool", rule, verdict)
 
 
-def _walk_message(message: Any, where: str, rule: ResolvedRule, verdict: VerdictBuilder) -> None:
+def _walk_message(
+    message: Any,
+    where: str,
+    rule: ResolvedRule,
+    verdict: VerdictBuilder,
+    dialect: Dialect = OPENAI,
+) -> None:
     violations = verdict.violations
     if not isinstance(message, dict):
         violations.append(invalid("each message must be an object", where))
@@ -272,18 +326,39 @@ def _walk_message(message: Any, where: str, rule: ResolvedRule, verdict: Verdict
     if not isinstance(role, str):
         violations.append(invalid("'role' must be a string", path(where, "role")))
         return
-    for key in _REASONING_KEYS:
+    if dialect.roles is not None and role.casefold() not in dialect.roles:
+        violations.append(
+            invalid(
+                f"{dialect.engine} takes the roles {', '.join(sorted(dialect.roles))}",
+                path(where, "role"),
+            )
+        )
+        return
+    for key, form in dialect.reasoning.items():
         reasoning = message.get(key)
-        if isinstance(reasoning, list):  # parts where text belongs: judged as content
+        if reasoning is None or isinstance(reasoning, str):
+            continue
+        if form == "text_or_parts" and isinstance(reasoning, list):  # judged as content
             for j, part in enumerate(reasoning):
-                _read_part(part, path(where, key, j), role, rule, verdict)
-        elif reasoning is not None and not isinstance(reasoning, str):
+                _read_part(part, path(where, key, j), role, rule, verdict, dialect)
+        elif (
+            form == "text_or_embeds_part"
+            and isinstance(reasoning, dict)
+            and reasoning.get("type") == "prompt_embeds"
+        ):
+            _read_part(reasoning, path(where, key), role, rule, verdict, dialect)
+        else:
             violations.append(invalid(f"'{key}' must be a string", path(where, key)))
     content = message.get("content")
     if isinstance(content, str):
         return
     if content is None:
-        if role in ("user", "system", "developer"):
+        if "content" not in message:
+            required = role in dialect.content_required
+        else:
+            allowed = dialect.null_content
+            required = role in dialect.content_required if allowed is None else role not in allowed
+        if required:
             violations.append(invalid("'content' is required", path(where, "content")))
         return
     if not isinstance(content, list):
@@ -294,13 +369,31 @@ def _walk_message(message: Any, where: str, rule: ResolvedRule, verdict: Verdict
             )
         )
         return
-    if not content and role == "user":
+    if dialect.fallback is not None:  # vLLM: its own message type, or OpenAI's
+        reading, blamed = message_path(role, content)
+        if reading == "refused" and blamed is not None:
+            part_at = path(where, "content", blamed)
+            part = content[blamed]
+            typed = part_type_of(part, part_at, dialect) if isinstance(part, dict) else None
+            violations.append(
+                typed
+                if isinstance(typed, Violation)
+                else invalid(
+                    f"{dialect.engine} takes no such content part in a {role[:40]!r} message"
+                    " (alone, or with only such parts, it is read as OpenAI's)",
+                    part_at,
+                )
+            )
+            return
+        if reading == "openai":
+            dialect = dialect.fallback
+    if not content and role == "user" and not dialect.empty_user_content:
         violations.append(invalid("'content' must not be an empty array", path(where, "content")))
         return
     for j, part in enumerate(content):
         if _is_plain_text(part):
             continue
-        _read_part(part, path(where, "content", j), role, rule, verdict)
+        _read_part(part, path(where, "content", j), role, rule, verdict, dialect)
         if len(violations) >= MAX_LISTED_VIOLATIONS:
             return
 
@@ -315,39 +408,40 @@ def _is_plain_text(part: Any) -> bool:
 
 
 def _read_part(
-    part: Any, where: str, role: str, rule: ResolvedRule, verdict: VerdictBuilder
+    part: Any,
+    where: str,
+    role: str,
+    rule: ResolvedRule,
+    verdict: VerdictBuilder,
+    dialect: Dialect = OPENAI,
 ) -> None:
-    if isinstance(part, str):
-        return  # vLLM takes bare strings as text parts
+    if isinstance(part, str) and dialect.bare_string_parts:
+        return
     if not isinstance(part, dict):
         verdict.violations.append(invalid("each content part must be an object", where))
         return
-    typed = part_type_of(part, where)
+    typed = part_type_of(part, where, dialect)
     if isinstance(typed, Violation):
         verdict.violations.append(typed)
         return
-    part_type, type_param = typed
-    read = read_part(part_type, part, where, role)
+    read = read_part(typed, part, where, role, dialect)
     if read is None:
         return
     if isinstance(read, Violation):
         verdict.violations.append(read)
         return
-    read.type_param = type_param
+    read.type_param = typed.param
     admit(read, rule, verdict)
 
 
 def _check_audio_in_video(
-    request: dict[str, Any], rule: ResolvedRule, verdict: VerdictBuilder
+    request: dict[str, Any], rule: ResolvedRule, verdict: VerdictBuilder, dialect: Dialect
 ) -> None:
     """``use_audio_in_video`` makes each video URL an audio input too (vLLM reads it from
-    ``mm_processor_kwargs``, SGLang from the top level): judged as audio as well."""
-    kwargs = request.get("mm_processor_kwargs")
-    if isinstance(kwargs, dict) and kwargs.get("use_audio_in_video"):
-        flag = "mm_processor_kwargs.use_audio_in_video"
-    elif request.get("use_audio_in_video"):
-        flag = "use_audio_in_video"
-    else:
+    ``mm_processor_kwargs``, SGLang from the top level): judged as audio as well, where
+    the dialect's engine reads the flag."""
+    flag = next((f for f in dialect.audio_in_video if _flag_set(request, f)), None)
+    if flag is None:
         return
     videos = [p for p in verdict.parts if p.part_type == "video_url" and p.source != "cached"]
     if not videos:
@@ -375,6 +469,30 @@ def _check_audio_in_video(
                 flag,
             )
         )
+
+
+def _check_embeds_mix(verdict: VerdictBuilder, dialect: Dialect) -> None:
+    """vLLM refuses raw media and precomputed embeddings of one modality together."""
+    embedded = {
+        EMBEDS_MODALITY[p.part_type]: p for p in verdict.parts if p.part_type in EMBEDS_MODALITY
+    }
+    for part in verdict.parts:
+        if part.modality in embedded:
+            other = embedded.pop(part.modality)
+            verdict.violations.append(
+                invalid(
+                    f"{dialect.engine} takes {part.modality} inputs either raw or as"
+                    f" embeddings, not both in one request (see {other.param})",
+                    part.param,
+                )
+            )
+
+
+def _flag_set(request: dict[str, Any], dotted: str) -> bool:
+    holder: Any = request
+    for key in dotted.split("."):
+        holder = holder.get(key) if isinstance(holder, dict) else None
+    return bool(holder)
 
 
 def _check_counts(rule: ResolvedRule, verdict: VerdictBuilder) -> None:

@@ -204,6 +204,12 @@ def _vllm_tracker(model_config: Any, supported: dict[str, int | None]) -> Iterat
                 return None, None
             # The real resolution (its mixing and processor checks) on items that
             # stand for the media: nothing is fetched, decoded or loaded.
+            _check_empty_items(
+                {
+                    modality: [_stand_in(item) for item in items]
+                    for modality, items in self._items_by_modality.items()
+                }
+            )
             placeholders = {
                 modality: [(None, None)] * len(items)
                 for modality, items in self._items_by_modality.items()
@@ -222,16 +228,47 @@ def _vllm_tracker(model_config: Any, supported: dict[str, int | None]) -> Iterat
         _recorded.reset(token)
 
 
+def _stand_in(item: Any) -> tuple[Any, Any]:
+    """(data, uuid) for a tracked item, a ``partial(loader, payload, uuid, ...)``: the
+    data stands in as ``True`` where the loader would load something, ``None`` where
+    vLLM's loaders return nothing (an empty payload: ``if image_url`` and the like)."""
+    args = getattr(item, "args", ())
+    if len(args) >= 2:
+        payload, uuid = args[0], args[1]
+        return (True if payload else None), uuid
+    return True, None
+
+
+def _check_empty_items(items: dict[str, list[tuple[Any, Any]]]) -> None:
+    """The renderer's check on resolved items (``renderers/base.py``): an empty item
+    needs the uuid of media cached before."""
+    from vllm.exceptions import VLLMValidationError
+
+    for modality, found in items.items():
+        for i, (data, uuid) in enumerate(found):
+            if data is None and uuid is None:
+                raise VLLMValidationError(
+                    f"multi_modal_data[{modality!r}][{i}] is empty but "
+                    f"multi_modal_uuids[{modality!r}][{i}] is missing.",
+                    parameter="multi_modal_uuids",
+                )
+
+
 def vllm_view(
     body: dict[str, Any],
     *,
     enable_mm_embeds: bool = False,
     enable_prompt_embeds: bool = False,
+    trust_request_mm_kwargs: bool = False,
     content_format: str = "openai",
     supported: dict[str, int | None] | None = None,
     limit_mm_per_prompt: dict[str, int] | None = None,
 ) -> EngineView:
     """vLLM's reading of a chat-completions body.
+
+    ``trust_request_mm_kwargs``: the server's ``--trust-request-mm-kwargs``; without
+    it the renderer refuses a request carrying ``mm_processor_kwargs`` or
+    ``media_io_kwargs`` before parsing its messages (``validate_request_mm_kwargs``).
 
     ``supported``: the model's modalities and their limits (``None``: no limit of
     its own), as ``get_supported_mm_limits`` returns them; by default image,
@@ -241,6 +278,7 @@ def vllm_view(
     _vllm_setup()
     try:
         from vllm.config.multimodal import MultiModalConfig
+        from vllm.entrypoints.generate.base.protocol import validate_request_mm_kwargs
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.serve.exception_handling.error_response import (
             create_error_response,
@@ -273,6 +311,11 @@ def vllm_view(
             status = 400 if _is_validation_error(exc) else create_error_response(exc).error.code
             return _view(_describe(exc), stage="request", status=int(status))
         try:
+            validate_request_mm_kwargs(  # the renderer's first step (preprocess_chat)
+                mm_processor_kwargs=request.mm_processor_kwargs,
+                media_io_kwargs=request.media_io_kwargs,
+                trust_request_mm_kwargs=trust_request_mm_kwargs,
+            )
             asyncio.run(
                 chat_message.parse_chat_messages_async(
                     request.messages,
@@ -433,11 +476,37 @@ def versions() -> dict[str, str]:
     return found
 
 
+def view_of(body: Any, config: dict[str, Any]) -> EngineView:
+    """One engine configuration's view of one body.
+
+    ``config``: ``engine`` (``vllm`` or ``sglang``) and, for vLLM, any of
+    ``enable_mm_embeds``, ``enable_prompt_embeds``, ``trust_request_mm_kwargs``,
+    ``supported`` (a list of modalities), ``limit_mm_per_prompt``; for both,
+    ``content_format``.
+    """
+    if not isinstance(body, dict):
+        return _view("the body is not a JSON object", stage="request", status=400)
+    content_format = config.get("content_format", "openai")
+    if config["engine"] == "sglang":
+        return sglang_view(body, content_format=content_format)
+    supported = config.get("supported")
+    return vllm_view(
+        body,
+        enable_mm_embeds=bool(config.get("enable_mm_embeds")),
+        enable_prompt_embeds=bool(config.get("enable_prompt_embeds")),
+        trust_request_mm_kwargs=bool(config.get("trust_request_mm_kwargs")),
+        content_format=content_format,
+        supported=None if supported is None else dict.fromkeys(supported),
+        limit_mm_per_prompt=config.get("limit_mm_per_prompt"),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", choices=("vllm", "sglang"))
     parser.add_argument("--enable-mm-embeds", action="store_true")
     parser.add_argument("--enable-prompt-embeds", action="store_true")
+    parser.add_argument("--trust-request-mm-kwargs", action="store_true")
     parser.add_argument("--content-format", choices=("openai", "string"), default="openai")
     parser.add_argument(
         "--supported",
@@ -451,6 +520,13 @@ def main(argv: list[str] | None = None) -> int:
         help="vLLM: the server's --limit-mm-per-prompt as JSON, e.g. '{\"image\": 2}'",
     )
     parser.add_argument(
+        "--configs",
+        type=json.loads,
+        default=None,
+        help="several configurations in one process, as a JSON object {name: config}"
+        " (see view_of); each output line is then {name: view}",
+    )
+    parser.add_argument(
         "--versions", action="store_true", help="print the installed versions as JSON and exit"
     )
     args = parser.parse_args(argv)
@@ -459,28 +535,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.versions:
         out.write(json.dumps(versions()) + "\n")
         return 0
-    if args.engine is None:
-        parser.error("--engine is required")
+    if args.engine is None and args.configs is None:
+        parser.error("--engine or --configs is required")
+    single = {
+        "engine": args.engine,
+        "enable_mm_embeds": args.enable_mm_embeds,
+        "enable_prompt_embeds": args.enable_prompt_embeds,
+        "trust_request_mm_kwargs": args.trust_request_mm_kwargs,
+        "content_format": args.content_format,
+        "supported": list(filter(None, args.supported.split(","))),
+        "limit_mm_per_prompt": args.limit_mm_per_prompt,
+    }
     for line in sys.stdin:
         if not line.strip():
             continue
         try:
             body = json.loads(line)
         except ValueError as exc:
-            view = _view(f"invalid_json: {_describe(exc)}", stage="request", status=400)
+            bad = _view(f"invalid_json: {_describe(exc)}", stage="request", status=400)
+            views = {name: bad for name in args.configs or {"": None}}
         else:
-            if args.engine == "vllm":
-                view = vllm_view(
-                    body,
-                    enable_mm_embeds=args.enable_mm_embeds,
-                    enable_prompt_embeds=args.enable_prompt_embeds,
-                    content_format=args.content_format,
-                    supported=dict.fromkeys(filter(None, args.supported.split(","))),
-                    limit_mm_per_prompt=args.limit_mm_per_prompt,
-                )
-            else:
-                view = sglang_view(body, content_format=args.content_format)
-        out.write(json.dumps(view) + "\n")
+            views = {name: view_of(body, c) for name, c in (args.configs or {"": single}).items()}
+        out.write(json.dumps(views if args.configs else views[""]) + "\n")
         out.flush()
     return 0
 

@@ -29,7 +29,9 @@ from conftest import (
 )
 from modalgate.errors import MAX_LISTED_VIOLATIONS, STATUS, ErrorCode, error_body
 from modalgate.policy import RuleMatcher, load_policy, parse_policy
+from modalgate.settings import EngineSpec
 from modalgate.validators import Verdict, validate_body, validate_request
+from modalgate.validators.dialects import OPENAI, Dialect, dialect_for
 
 P0 = "messages.[0].content.[0]"  # the first part of the first message
 PNG = image_bytes("PNG")
@@ -37,6 +39,9 @@ JPEG = image_bytes("JPEG")
 KIMI_ENCODER_MESSAGE = "Kimi-K3 encoder mode supports image input only"
 
 # What a message must never carry: exception reprs, addresses, stack text, paths.
+# vLLM's reading: bare strings, parts without a type, URLs as strings (the default,
+# an OpenAI-compatible server, refuses them: tests/validators/test_dialects.py).
+VLLM = dialect_for(EngineSpec(name="vllm"))
 _INTERNALS = re.compile(
     r"Traceback|\b0x[0-9a-fA-F]+|object at|Error\(|Exception\(|File \"|\.py\b|/work/|site-packages"
     r"|<[A-Za-z_.]+ "
@@ -68,14 +73,16 @@ def refused(
     assert envelope["code"] == code.value and envelope["param"] == param
 
 
-def check(request: Any, m: RuleMatcher, code: ErrorCode, param: str | None) -> Verdict:
-    verdict = validate_body(body(request), m)
+def check(
+    request: Any, m: RuleMatcher, code: ErrorCode, param: str | None, dialect: Dialect = OPENAI
+) -> Verdict:
+    verdict = validate_body(body(request), m, dialect=lambda _rule: dialect)
     refused(verdict, code, param)
     return verdict
 
 
-def accepted(request: Any, m: RuleMatcher) -> Verdict:
-    verdict = validate_body(body(request), m)
+def accepted(request: Any, m: RuleMatcher, dialect: Dialect = OPENAI) -> Verdict:
+    verdict = validate_body(body(request), m, dialect=lambda _rule: dialect)
     assert verdict.accepted, [v.as_dict() for v in verdict.violations]
     assert verdict.status == 200
     return verdict
@@ -254,7 +261,7 @@ def test_assistant_and_tool_may_omit_content(encoder_matcher):
 
 
 def test_bare_string_parts_are_text(encoder_matcher):
-    accepted(chat("hello", {"type": "text", "text": "world"}), encoder_matcher)
+    accepted(chat("hello", {"type": "text", "text": "world"}), encoder_matcher, VLLM)
 
 
 def test_param_points_at_the_right_message_and_part(encoder_matcher):
@@ -305,23 +312,29 @@ def test_image_pil_is_never_valid_over_http(encoder_matcher):
 
 
 def test_typeless_image_pil_is_refused(encoder_matcher):
-    verdict = validate_body(body(chat({"image_pil": "x"})), encoder_matcher)
+    verdict = validate_body(body(chat({"image_pil": "x"})), encoder_matcher, dialect=lambda _: VLLM)
     assert verdict.violations[0].code is ErrorCode.UNSUPPORTED_CONTENT_TYPE
 
 
 def test_typeless_video_part_is_inferred_as_video(encoder_matcher):
     # vLLM infers a missing type from the payload key; with no `type`, the key is blamed.
     verdict = check(
-        chat({"video_url": {"url": "https://example.com/v.mp4"}}),
+        chat({"video_url": "https://example.com/v.mp4"}),
         encoder_matcher,
         ErrorCode.UNSUPPORTED_MODALITY,
         f"{P0}.video_url",
+        VLLM,
     )
     assert KIMI_ENCODER_MESSAGE in verdict.violations[0].message
 
 
 def test_typeless_image_part_is_inferred_as_image(encoder_matcher):
-    verdict = accepted(chat({"image_url": {"url": data_url(PNG)}}), encoder_matcher)
+    # alone, vLLM reads such a message as OpenAI's and refuses it: a text part beside it
+    verdict = accepted(
+        chat({"type": "text", "text": "x"}, {"image_url": {"url": data_url(PNG)}}),
+        encoder_matcher,
+        VLLM,
+    )
     assert verdict.parts[0].modality == "image"
 
 
@@ -925,15 +938,15 @@ def test_https_url_is_accepted_without_a_fetch(url, encoder_matcher):
 
 
 def test_image_url_as_a_plain_string(encoder_matcher):
-    verdict = accepted(
-        chat({"type": "image_url", "image_url": "https://example.com/a.png"}), encoder_matcher
-    )
+    # vLLM reads a part without a type by its key, where the URL may be a plain string
+    verdict = accepted(chat({"image_url": "https://example.com/a.png"}), encoder_matcher, VLLM)
     assert verdict.parts[0].url == "https://example.com/a.png"
     check(
-        chat({"type": "image_url", "image_url": "https://127.0.0.1/a.png"}),
+        chat({"image_url": "https://127.0.0.1/a.png"}),
         encoder_matcher,
         ErrorCode.URL_NOT_ALLOWED,
         f"{P0}.image_url",
+        VLLM,
     )
 
 
@@ -1009,7 +1022,7 @@ def test_accepted_verdict_keeps_part_order_across_messages(encoder_matcher):
             {"role": "user", "content": ["x", image_part(data_url(JPEG, "image/jpeg"))]},
         ],
     }
-    verdict = accepted(request, encoder_matcher)
+    verdict = accepted(request, encoder_matcher, VLLM)
     assert [(p.param, p.format) for p in verdict.parts] == [
         ("messages.[0].content.[0]", "png"),
         ("messages.[2].content.[1]", "jpeg"),
