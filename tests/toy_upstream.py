@@ -58,6 +58,7 @@ class Behaviour:
 @dataclass
 class ToyUpstream:
     name: str = "toy"
+    owned_by: str = "toy"  # what /v1/models says of the models: vLLM says "vllm"
     behaviour: Behaviour = field(default_factory=Behaviour)
     received: list[Received] = field(default_factory=list)
     token_sent_at: list[float] = field(default_factory=list)
@@ -174,7 +175,10 @@ class ToyUpstream:
     async def _models(self, request: Request) -> Response:
         await self._record(request)
         return JSONResponse(
-            {"object": "list", "data": [{"id": self.name, "object": "model", "owned_by": "toy"}]}
+            {
+                "object": "list",
+                "data": [{"id": self.name, "object": "model", "owned_by": self.owned_by}],
+            }
         )
 
     async def _health(self, request: Request) -> Response:

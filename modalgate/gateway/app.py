@@ -56,6 +56,7 @@ from modalgate.gateway.service.embeds import unserved_embeds
 from modalgate.gateway.service.encode import ENCODE_PATH, encode_endpoint
 from modalgate.gateway.service.health import Readiness
 from modalgate.gateway.upstream.balancer import Upstreams
+from modalgate.gateway.upstream.engines import EngineDialects
 from modalgate.gateway.upstream.forward import Forwarder
 from modalgate.gateway.upstream.proxy import UpstreamSettings
 from modalgate.policy import Policy, ResolvedRule, RuleMatcher, load_policy
@@ -117,6 +118,7 @@ class Gateway:
             on_outcome=self._observe,
             responses_paths=[VALIDATE_RESPONSES_PATH, *DEFAULT_RESPONSES_PATHS],
             served_model=self.served_model,
+            dialect=EngineDialects(self.upstreams, settings),
             # Shadow mode forwards: where the verdict is the answer, it is the verdict.
             enforce=(None if settings.enforce else False) if self.proxying else True,
             enforced_paths=[VALIDATE_PATH, VALIDATE_RESPONSES_PATH, ENCODE_PATH],

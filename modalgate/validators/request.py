@@ -373,11 +373,10 @@ def _walk_message(
         reading, blamed = message_path(role, content)
         if reading == "refused" and blamed is not None:
             part_at = path(where, "content", blamed)
-            part = content[blamed]
-            typed = part_type_of(part, part_at, dialect) if isinstance(part, dict) else None
+            specific = _specific_refusal(content[blamed], part_at, role, dialect)
             violations.append(
-                typed
-                if isinstance(typed, Violation)
+                specific
+                if specific is not None
                 else invalid(
                     f"{dialect.engine} takes no such content part in a {role[:40]!r} message"
                     " (alone, or with only such parts, it is read as OpenAI's)",
@@ -396,6 +395,17 @@ def _walk_message(
         _read_part(part, path(where, "content", j), role, rule, verdict, dialect)
         if len(violations) >= MAX_LISTED_VIOLATIONS:
             return
+
+
+def _specific_refusal(part: Any, where: str, role: str, dialect: Dialect) -> Violation | None:
+    """What the engine's own reading finds wrong with a part it refuses, if it says."""
+    if not isinstance(part, dict):
+        return None
+    typed = part_type_of(part, where, dialect)
+    if isinstance(typed, Violation):
+        return typed
+    read = read_part(typed, part, where, role, dialect)
+    return read if isinstance(read, Violation) else None
 
 
 def _is_plain_text(part: Any) -> bool:

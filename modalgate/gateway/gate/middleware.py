@@ -33,7 +33,8 @@ from modalgate.gateway.gate.shadow import SHADOW_HEADER, shadow_header
 from modalgate.policy import Policy, RuleMatcher, load_policy
 from modalgate.policy.endpoints import EndpointTable
 from modalgate.validators import Verdict
-from modalgate.validators.request import Api, ServedModel
+from modalgate.validators.dialects import Dialect
+from modalgate.validators.request import Api, DialectOf, ServedModel
 
 DEFAULT_PATHS = ("/v1/chat/completions", "/chat/completions")
 # The Responses API (vLLM and SGLang serve it too): the same checks on its ``input``.
@@ -62,13 +63,18 @@ class ModalGate:
         served_model: str | ServedModel | None = None,
         enforce: bool | None = None,
         enforced_paths: Iterable[str] = (),
+        dialect: Dialect | DialectOf | None = None,
     ) -> None:
         """``served_model``: the model the app behind serves, whatever name a request
         carries (a server of one model ignores the name); or a callable that tells it
         per request. Requests are then judged as that model.
 
         ``enforce``: shadow mode (``shadow.py``): None as the policy says, False for every
-        rule, True never; never on ``enforced_paths`` (where the verdict is the answer)."""
+        rule, True never; never on ``enforced_paths`` (where the verdict is the answer).
+
+        ``dialect``: how the app behind reads content parts (``validators/dialects.py``),
+        or a callable that tells it per resolved rule; None: an OpenAI-compatible server,
+        unless a rule names its ``engine``."""
         self.app = app
         self.on_outcome = on_outcome
         self.served: ServedModel | None = (
@@ -84,6 +90,9 @@ class ModalGate:
         self.validation_threads = validation_threads
         self._limiter: anyio.CapacityLimiter | None = None
         self.enforce = enforce
+        self.dialect: DialectOf | None = (
+            (lambda _rule: dialect) if isinstance(dialect, Dialect) else dialect
+        )
         self.enforced_paths = frozenset(p.rstrip("/") for p in enforced_paths)
         self.set_policy(policy if isinstance(policy, Policy) else load_policy(policy), mode)
 
@@ -99,7 +108,9 @@ class ModalGate:
         self.endpoints = EndpointTable(policy.endpoints)
         self.media = MediaStage(policy.media_urls)
         # One object per policy: a request in flight keeps the one it started with.
-        self.decider = Decider(self.matcher, self.media, self.served, self.run_cpu, self.enforce)
+        self.decider = Decider(
+            self.matcher, self.media, self.served, self.run_cpu, self.enforce, self.dialect
+        )
         self.strict_decider = replace(self.decider, enforce=True)
         self.read_cap = max(
             [policy.limits.max_body_bytes]

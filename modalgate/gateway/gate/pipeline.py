@@ -20,7 +20,7 @@ from modalgate.gateway.gate.shadow import enforced, in_shadow_mode, lenient_matc
 from modalgate.policy import RuleMatcher
 from modalgate.validators import Verdict, validate_body, with_fallback
 from modalgate.validators.json_body import Location, rewrite_json_body
-from modalgate.validators.request import Api, ServedModel
+from modalgate.validators.request import Api, DialectOf, ServedModel
 
 T = TypeVar("T")
 RunCpu = Callable[..., Awaitable[Any]]  # (size, function, *args) -> function(*args)
@@ -56,11 +56,12 @@ class Decider:
     run_cpu: RunCpu = run_inline
     # Shadow mode (shadow.py): None as the policy says, False for every rule, True never.
     enforce: bool | None = None
+    dialect: DialectOf | None = None  # how the server behind a rule reads content parts
 
     async def decide(self, body: bytes, api: Api = "chat") -> Decision:
         received = len(body)
         verdict: Verdict = await self.run_cpu(
-            received, validate_body, body, self.matcher, api, self.served
+            received, validate_body, body, self.matcher, api, self.served, self.dialect
         )
         edits: Edits = []
         if not verdict.accepted and verdict.rule is not None and verdict.rule.fallback:
@@ -105,7 +106,13 @@ class Decider:
         else refused for that first."""
         received = len(body)
         lenient: Verdict = await self.run_cpu(
-            received, validate_body, body, lenient_matcher(self.matcher), api, self.served
+            received,
+            validate_body,
+            body,
+            lenient_matcher(self.matcher),
+            api,
+            self.served,
+            self.dialect,
         )
         edits: Edits = []
         if not enforced(lenient.violations) and lenient.remote_parts and self.media is not None:

@@ -22,6 +22,7 @@ from starlette.responses import Response
 from modalgate.errors import ErrorCode, Violation, error_json
 from modalgate.gateway.gate.send import json_bytes
 from modalgate.gateway.upstream.balancer import Target, Upstreams
+from modalgate.gateway.upstream.engines import engine_of
 from modalgate.policy import RuleMatcher
 from modalgate.policy.matching import ResolvedRule
 
@@ -113,6 +114,7 @@ class ModelCatalog:
         self._reported[target.url] = (time.monotonic(), models)
         if data is not None:
             target.served = tuple(m["id"] for m in models if isinstance(m.get("id"), str))
+            target.engine = engine_of(models)
         return models
 
     async def list_endpoint(self, request: Request) -> Response:

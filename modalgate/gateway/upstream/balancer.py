@@ -35,6 +35,7 @@ class Target:
     healthy: bool = True
     checked_at: float = field(default=-1e9)
     served: tuple[str, ...] = ()  # model ids its /v1/models listed, when last read
+    engine: str | None = None  # the engine its /v1/models named (owned_by), if one
 
     def mark(self, healthy: bool) -> None:
         if healthy != self.healthy:
