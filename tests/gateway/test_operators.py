@@ -193,6 +193,7 @@ def test_the_start_up_line_says_what_is_in_effect(upstream, tmp_path, monkeypatc
         "encoders": None,
         "api_keys": 0,
         "open_paths": "all",
+        "shadow": None,
     }
 
 

@@ -26,6 +26,7 @@ from conftest import (
 )
 from gateway_proc import GatewayProcess, metric
 from modalgate.gateway.app import create_app
+from modalgate.gateway.observability.startup import in_effect
 from toy_upstream import ToyUpstream
 
 PNG = image_bytes("PNG", (40, 30))
@@ -133,6 +134,19 @@ def test_an_accepted_request_carries_no_shadow_header(per_rule, received):
     assert len(chats(received)) == 1
 
 
+def test_the_rules_in_shadow_mode_are_named_at_start(tmp_path):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY.format(enforce="false"), encoding="utf-8")
+    gateway = create_app(policy, upstream="http://127.0.0.1:9")
+    assert in_effect(gateway)["shadow"] == "shadowed-vision, text-only, unknown models"
+    per_rule = tmp_path / "per-rule.yaml"
+    per_rule.write_text(POLICY.format(enforce="true"), encoding="utf-8")
+    assert in_effect(create_app(per_rule, upstream="http://127.0.0.1:9"))["shadow"] == (
+        "shadowed-vision"
+    )
+    assert in_effect(create_app(per_rule))["shadow"] is None  # a dry run answers the verdict
+
+
 def test_enforce_false_at_the_top_shadows_every_rule_but_one_that_says_true(everywhere, received):
     response = post(everywhere, chat(VIDEO, model="text-only"))
     assert response.status_code == 200
@@ -222,6 +236,8 @@ def test_no_enforce_flag_shadows_and_logs_the_would_be_refusal(toy, received):
         response = post(process.url, chat(VIDEO, model="kimi-k3"))
         assert response.status_code == 200
         line = process.wait_for_log(lambda line: line.get("event") == "request_shadowed")
+        started = process.wait_for_log(lambda line: line.get("event") == "gateway started")
+    assert started["shadow"] == "every rule"
     assert (line["code"], line["param"], line["status"]) == (
         "unsupported_modality",
         "messages.[0].content.[0].type",

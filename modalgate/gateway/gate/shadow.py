@@ -71,6 +71,23 @@ def in_shadow_mode(rule: ResolvedRule | None, enforce: bool | None) -> bool:
     return enforce is False or not rule.enforce
 
 
+def shadow_in_effect(matcher: RuleMatcher, enforce: bool | None) -> str | None:
+    """Which refusals shadow mode forwards, in words for the start-up line; None: none."""
+    if enforce:
+        return None
+    if enforce is False:
+        return "every rule"
+    policy = matcher.policy
+    names = [
+        rule.name
+        for rule in matcher.rules
+        if rule.embeds is None and not (policy.enforce if rule.enforce is None else rule.enforce)
+    ]
+    if not policy.enforce:
+        names.append("unknown models")
+    return ", ".join(names) or None
+
+
 def may_shadow(verdict: Verdict, enforce: bool | None) -> bool:
     """Whether this refusal is shadowed: its rule is in shadow mode, and shadow mode
     covers every one of its violations."""

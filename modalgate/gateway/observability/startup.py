@@ -1,10 +1,12 @@
 """The one start-up line: what a gateway runs with, so an operator reading the log knows
-the mode, policy, rules, upstreams, encoders and lock in force without reading flags,
+the mode, policy, rules, upstreams, encoders, lock and shadow mode in force without reading flags,
 variables and a policy file's ``server:`` section side by side."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from modalgate.gateway.gate.shadow import shadow_in_effect
 
 if TYPE_CHECKING:
     from modalgate.gateway.app import Gateway
@@ -29,4 +31,5 @@ def in_effect(gateway: Gateway) -> dict[str, object]:
         "encoders": ", ".join(encoders) or None,
         "api_keys": len(gateway.api_keys),
         "open_paths": ", ".join(gateway.open_paths()) if gateway.api_keys else "all",
+        "shadow": shadow_in_effect(gateway.gate.matcher, gateway.gate.enforce),
     }
