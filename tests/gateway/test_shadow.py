@@ -46,6 +46,14 @@ models:
   - name: strict-text
     accepts: []
     enforce: true
+  - name: video-model
+    accepts: [video]
+    enforce: true
+    limits: {{max_videos: 1}}
+  - name: shadowed-router
+    accepts: [image]
+    enforce: false
+    fallback: {{video: video-model}}
 """
 
 
@@ -118,6 +126,19 @@ def test_a_shadowed_rule_forwards_the_refused_request_and_names_the_refusal(per_
     assert counted(per_rule, "modalgate_requests_total", **shadowed) >= 1
 
 
+def test_a_responses_api_request_is_shadowed_the_same_way(per_rule, received):
+    request = {
+        "model": "shadowed-vision",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}, VIDEO]}],
+    }
+    response = post(per_rule, request, path="/v1/responses")
+    assert response.status_code == 200
+    assert response.headers["x-modalgate-shadow"] == (
+        "unsupported_modality; param=input.[0].content.[1].type"
+    )
+    assert [r.path for r in received if r.path == "/v1/responses"] == ["/v1/responses"]
+
+
 def test_a_rule_that_enforces_still_refuses(per_rule, received):
     response = post(per_rule, chat(VIDEO, model="text-only"))
     error = response.json()["error"]
@@ -138,11 +159,13 @@ def test_the_rules_in_shadow_mode_are_named_at_start(tmp_path):
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY.format(enforce="false"), encoding="utf-8")
     gateway = create_app(policy, upstream="http://127.0.0.1:9")
-    assert in_effect(gateway)["shadow"] == "shadowed-vision, text-only, unknown models"
+    assert in_effect(gateway)["shadow"] == (
+        "shadowed-vision, text-only, shadowed-router, unknown models"
+    )
     per_rule = tmp_path / "per-rule.yaml"
     per_rule.write_text(POLICY.format(enforce="true"), encoding="utf-8")
     assert in_effect(create_app(per_rule, upstream="http://127.0.0.1:9"))["shadow"] == (
-        "shadowed-vision"
+        "shadowed-vision, shadowed-router"
     )
     assert in_effect(create_app(per_rule))["shadow"] is None  # a dry run answers the verdict
 
@@ -219,6 +242,28 @@ def test_a_shadowed_request_whose_media_cannot_be_fetched_is_refused(per_rule, r
     assert (response.status_code, error["code"]) == (400, "media_fetch_failed")
     assert error["param"] == "messages.[0].content.[1].image_url.url"
     assert chats(received) == []
+
+
+def test_a_fallback_that_takes_the_request_routes_it_without_shadowing(per_rule, received):
+    response = post(per_rule, chat(VIDEO, model="shadowed-router"))
+    assert response.status_code == 200
+    assert response.headers["x-modalgate-routed-to"] == "video-model"
+    assert "x-modalgate-shadow" not in response.headers
+    [forwarded] = chats(received)
+    assert forwarded.json()["model"] == "video-model"
+
+
+def test_where_the_fallback_refuses_too_the_shadowed_request_goes_on_as_sent(per_rule, received):
+    request = chat(VIDEO, VIDEO, model="shadowed-router")  # two videos: video-model takes one
+    response = post(per_rule, request)
+    assert response.status_code == 200
+    assert response.headers["x-modalgate-shadow"] == (
+        "unsupported_modality; param=messages.[0].content.[0].type, "
+        "unsupported_modality; param=messages.[0].content.[1].type"
+    )
+    assert "x-modalgate-routed-to" not in response.headers
+    [forwarded] = chats(received)
+    assert forwarded.body == orjson.dumps(request)
 
 
 def test_validate_answers_the_verdict_whatever_the_mode(per_rule, received):
