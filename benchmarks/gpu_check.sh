@@ -29,13 +29,13 @@ fi
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
   echo "== CUDA tests (the CPU conformance tests run too: they are the reference)"
   timeout 150 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_kimi_preprocessor.py tests/test_transformers_encoder.py tests/test_encoder_e2e.py
+    tests/encoder_adapter/kimi
   echo "== P4 preprocessing: ours vs transformers on the CPU, then ours on CUDA vs ours on the CPU"
   timeout 90 python3 benchmarks/p4_kimi_preprocess.py --quick
   timeout 60 python3 - <<'PY'
 import time, numpy as np, torch
 from PIL import Image
-from modalgate.encoder_adapter.kimi import KimiPreprocessor
+from modalgate.encoder_adapter.kimi.preprocess import KimiPreprocessor
 image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (1080, 1920, 3), np.uint8))
 cpu, gpu = KimiPreprocessor(max_patches=65536), KimiPreprocessor(max_patches=65536, device="cuda")
 def best(run, sync=False, n=20):

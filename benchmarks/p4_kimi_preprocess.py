@@ -52,8 +52,8 @@ from _common import (
 from PIL import Image
 from transformers.models.kimi_k25.image_processing_kimi_k25 import Kimi_K25ImageProcessor
 
-import modalgate.encoder_adapter.kimi as kimi
-from modalgate.encoder_adapter.kimi import KimiPreprocessor
+from modalgate.encoder_adapter.kimi import preprocess
+from modalgate.encoder_adapter.kimi.preprocess import KimiPreprocessor
 from modalgate.media import pillow_planes
 
 NAME = "p4_kimi_preprocess"
@@ -141,7 +141,7 @@ def ours_by_stage(
     planes = pillow_planes.planes(image)
 
     def patchify_all() -> None:  # the uint8 part of _fill_cpu's band loop
-        for _ in kimi._bands(planes, padded, ours.patch_size):
+        for _ in preprocess._bands(planes, padded, ours.patch_size):
             pass
 
     def median(fn: Callable[[], object]) -> float:

@@ -25,7 +25,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from kimi_tiny import save_full_checkpoint
 from modalgate.encoder_adapter import BatchSettings
-from modalgate.encoder_adapter.local import KimiEncoderAdapter
+from modalgate.encoder_adapter.kimi.adapter import KimiEncoderAdapter
 
 NAME = "p5_batched_encode"
 TARGET = 1.5

@@ -43,8 +43,9 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from kimi_tiny import save_full_checkpoint
-from modalgate.encoder_adapter.local import KimiEncoderAdapter
-from modalgate.encoder_adapter.ray_serve import PoolConfig, RayServeEncoder, build_app
+from modalgate.encoder_adapter.kimi.adapter import KimiEncoderAdapter
+from modalgate.encoder_adapter.ray.client import RayServeEncoder
+from modalgate.encoder_adapter.ray.serve import PoolConfig, build_app
 
 NAME = "r1_ray_pool"
 TARGETS = {"hop": 1.5, "scale": 1.3, "batching": 1.0}  # hop <=, scale >=, batching: report

@@ -53,7 +53,7 @@ from conftest import (
     start_server,
 )
 from modalgate.encoder_adapter import BatchSettings
-from modalgate.encoder_adapter.base import LocalImageAdapter, Output
+from modalgate.encoder_adapter.towers.local_adapter import LocalImageAdapter, Output
 from modalgate.errors import STATUS, ErrorCode, error_body, error_type, status_of
 from modalgate.gateway.app import create_app
 from modalgate.policy import RuleMatcher, load_policy, parse_policy

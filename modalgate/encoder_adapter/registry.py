@@ -21,9 +21,9 @@ ENTRY_POINT_GROUP = "modalgate.encoders"
 
 # Imported on first use: torch and transformers load only when an encoder is asked for.
 _BUILTIN: dict[str, str] = {
-    "kimi": "modalgate.encoder_adapter.local:kimi_encoder",
-    "qwen": "modalgate.encoder_adapter.qwen:qwen_encoder",
-    "ray": "modalgate.encoder_adapter.ray_serve:ray_encoder",
+    "kimi": "modalgate.encoder_adapter.kimi.adapter:kimi_encoder",
+    "qwen": "modalgate.encoder_adapter.qwen.adapter:qwen_encoder",
+    "ray": "modalgate.encoder_adapter.ray.client:ray_encoder",
 }
 _registered: dict[str, EncoderFactory] = {}
 

@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     schema = commands.add_parser("schema", help="print the policy file's JSON Schema")
     schema.set_defaults(run=_schema)
 
-    from modalgate.encoder_adapter.ray_serve import add_ray_commands  # imports no Ray
+    from modalgate.encoder_adapter.ray.cli import add_ray_commands  # imports no Ray
 
     add_ray_commands(commands)
     return parser

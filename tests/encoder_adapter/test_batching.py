@@ -53,7 +53,7 @@ async def until(condition, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(0)  # a yield, not a wait: the condition changes on this loop
 
 
 def test_results_land_on_their_requests_in_batches():
@@ -164,27 +164,26 @@ def test_per_request_timeout():
 
 
 def test_the_event_loop_keeps_running_while_the_model_works():
-    def slow(items):
-        time.sleep(0.3)
+    """The model finishes only once the event loop has answered it: were the model run on
+    the loop's thread, the loop could not answer and the model would give up."""
+    model_started, loop_answered = threading.Event(), threading.Event()
+
+    def model(items):
+        model_started.set()
+        if not loop_answered.wait(10):
+            raise RuntimeError("the event loop was blocked while the model ran")
         return items
 
     async def main():
-        batcher = MicroBatcher(slow, BatchSettings(max_wait_ms=0))
-        ticks = 0
-
-        async def ticker():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        task = asyncio.ensure_future(ticker())
-        await batcher.submit(1)
-        task.cancel()
+        batcher = MicroBatcher(model, BatchSettings(max_wait_ms=0))
+        request = asyncio.ensure_future(batcher.submit(1))
+        assert await asyncio.to_thread(model_started.wait, 10), "no batch reached the model"
+        loop_answered.set()  # this line runs on the loop, while the model waits for it
+        result = await request
         await batcher.close()
-        return ticks
+        return result
 
-    assert run(main()) >= 10
+    assert run(main()) == 1
 
 
 def test_cache_is_lru_and_bounded_in_bytes():

@@ -24,7 +24,7 @@ from PIL import Image
 from conftest import WAV_BYTES, b64, data_url, png_bomb
 from kimi_tiny import save_full_checkpoint
 from modalgate.encoder_adapter import BatchSettings, Overloaded
-from modalgate.encoder_adapter.local import KimiEncoderAdapter
+from modalgate.encoder_adapter.kimi.adapter import KimiEncoderAdapter
 from modalgate.gateway.service.embeds import (
     Embedded,
     rewrite_to_embeds,

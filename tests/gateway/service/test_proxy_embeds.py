@@ -18,7 +18,7 @@ import torch
 from conftest import MP4_BYTES, data_url, noise_png, serve
 from gateway_proc import GatewayProcess
 from kimi_tiny import save_full_checkpoint
-from modalgate.encoder_adapter.local import KimiEncoderAdapter
+from modalgate.encoder_adapter.kimi.adapter import KimiEncoderAdapter
 from toy_upstream import ToyUpstream
 
 POLICY = """\

@@ -11,7 +11,6 @@ import asyncio
 import io
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -21,10 +20,11 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import MP4_BYTES, chat, data_url, free_port, image_part, noise_png, serve
+from conftest import MP4_BYTES, chat, data_url, image_part, noise_png, serve
+from gateway_proc import GatewayProcess
 from kimi_tiny import processor, save_full_checkpoint
 from modalgate.encoder_adapter import BatchSettings, Overloaded, create_encoder
-from modalgate.encoder_adapter.local import KimiEncoderAdapter
+from modalgate.encoder_adapter.kimi.adapter import KimiEncoderAdapter
 from modalgate.gateway.app import create_app
 from modalgate.policy import parse_policy
 
@@ -183,46 +183,22 @@ def test_overload_is_a_503_with_retry_after(checkpoint):
     assert response.json()["error"]["type"] == "server_error"
 
 
-def test_modalgate_serve_with_an_encoder(checkpoint, tmp_path):
+def test_modalgate_serve_with_an_encoder(checkpoint):
     """The command users run: modalgate serve --mode encoder --encoder kimi:DIR."""
-    port = free_port()
     script = Path(sys.executable).with_name("modalgate")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "modalgate.gateway.cli"]
-    process = subprocess.Popen(
-        [
-            *command,
-            "serve",
-            "--mode",
-            "encoder",
-            "--encoder",
-            f"kimi:{checkpoint[0]}",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
+    serve_args = ["serve", "--mode", "encoder", "--encoder", f"kimi:{checkpoint[0]}"]
+    serve_args += ["--port", "{port}", "--log-level", "warning"]
+    gateway = GatewayProcess(command=[*command, *serve_args])
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert process.poll() is None, process.stdout.read().decode()
-            try:
-                if httpx.get(base + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "modalgate serve did not come up"
-            time.sleep(0.2)
+        gateway.wait_ready(timeout_s=90)
         request = chat(image_part(data_url(noise_png(50, 50, 4))), model="kimi-k3")
-        response = httpx.post(base + "/v1/encode", json=request, timeout=60)
+        response = httpx.post(gateway.url + "/v1/encode", json=request, timeout=60)
         assert response.status_code == 200, response.text
         assert response.json()["data"][0]["shape"][0] == 4  # 50x50 -> pad 56x56 -> 2x2 tokens
     finally:
-        process.terminate()
-        process.wait(30)
+        gateway.stop()
+        gateway.log_path.unlink(missing_ok=True)
 
 
 def test_a_policy_rule_picks_its_encoder(checkpoint, tmp_path):

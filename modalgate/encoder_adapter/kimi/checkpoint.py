@@ -1,4 +1,4 @@
-"""A Kimi checkpoint directory's preprocessing settings, and the error for one that cannot load.
+"""A Kimi checkpoint directory's preprocessing settings.
 
 The order of trust for settings: the checkpoint's own preprocessor file (the hub's
 ``media_proc_cfg`` or transformers' processor keys), then the model config,
@@ -12,14 +12,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from modalgate.encoder_adapter.towers.vision_tower import EncoderLoadError
+
 PREPROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
-
-
-class EncoderLoadError(RuntimeError):
-    """The checkpoint directory cannot give a Kimi-K2.5 vision encoder; the message says why.
-
-    Raised at start-up (operator-facing, so it names the path), never while serving a request.
-    """
 
 
 def preprocessor_settings(path: Path, config: Any, vision_config: Any) -> dict[str, Any]:

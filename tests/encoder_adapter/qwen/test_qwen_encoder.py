@@ -37,9 +37,11 @@ from transformers import (
 )
 
 from conftest import data_url, noise_png
-from modalgate.encoder_adapter import BatchSettings, available, create_encoder, transformers_encoder
-from modalgate.encoder_adapter import qwen as qwen_module
-from modalgate.encoder_adapter.qwen import EncoderLoadError, QwenEncoderAdapter
+from modalgate.encoder_adapter import BatchSettings, available, create_encoder
+from modalgate.encoder_adapter.qwen import tower as qwen_tower
+from modalgate.encoder_adapter.qwen.adapter import QwenEncoderAdapter
+from modalgate.encoder_adapter.towers import vision_tower
+from modalgate.encoder_adapter.towers.vision_tower import EncoderLoadError
 from modalgate.gateway.service.embeds import rewrite_to_embeds
 from modalgate.policy import RuleMatcher, parse_policy
 from modalgate.policy.models import EmbedsSpec, TokenSpec
@@ -223,15 +225,15 @@ def test_embeddings_equal_get_image_features_in_one_batch(qwen25) -> None:
 def test_only_the_vision_tower_is_read(qwen25, monkeypatch) -> None:
     directory, model = qwen25
     reads = Reads()
-    monkeypatch.setattr(qwen_module, "safe_open", reads)
-    monkeypatch.setattr(transformers_encoder, "safe_open", reads)
+    monkeypatch.setattr(qwen_tower, "safe_open", reads)
+    monkeypatch.setattr(vision_tower, "safe_open", reads)
     weight_map = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
     vision_keys = sorted(key for key in weight_map if key.startswith("visual."))
     vision_shards = {weight_map[key] for key in vision_keys}
     lm_only_shards = set(weight_map.values()) - vision_shards
     assert len(lm_only_shards) > 3  # really sharded, with shards the encoder must not touch
 
-    encoder = qwen_module.QwenVisionEncoder(directory, device="cpu")
+    encoder = qwen_tower.QwenVisionEncoder(directory, device="cpu")
 
     assert sorted(reads.tensors) == vision_keys
     assert len(reads.tensors) == len(set(reads.tensors))

@@ -3,7 +3,7 @@
 ``LocalImageAdapter`` is the part of an in-process encoder adapter that does not depend on
 the model family: a content-hash cache in front, Pillow decoding in a thread pool, a
 micro-batcher feeding one model thread, and per-image failure isolation (a failing batch is
-retried one image at a time). A family adapter (Kimi in ``local.py``, Qwen in ``qwen.py``)
+retried one image at a time). A family adapter (``kimi.adapter``, ``qwen.adapter``)
 adds two things: ``_forward`` (preprocess + encode a batch of decoded images, in the model
 thread) and ``_patches`` (the batcher's cost of one image). Keeping one copy of this
 pipeline means a fix to caching, backpressure or error mapping reaches every family.

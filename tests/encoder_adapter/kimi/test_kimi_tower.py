@@ -34,11 +34,10 @@ from kimi_tiny import (
     save_full_checkpoint,
     vision_config,
 )
-from modalgate.encoder_adapter import transformers_encoder
-from modalgate.encoder_adapter.transformers_encoder import (
-    EncoderLoadError,
-    TransformersVisionEncoder,
-)
+from modalgate.encoder_adapter.kimi import tower as kimi_tower
+from modalgate.encoder_adapter.kimi.tower import TransformersVisionEncoder
+from modalgate.encoder_adapter.towers import vision_tower
+from modalgate.encoder_adapter.towers.vision_tower import EncoderLoadError
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +96,8 @@ class _Reader:
 @pytest.fixture
 def reads(monkeypatch) -> Iterator[Reads]:
     recorder = Reads()
-    monkeypatch.setattr(transformers_encoder, "safe_open", recorder)
+    monkeypatch.setattr(kimi_tower, "safe_open", recorder)
+    monkeypatch.setattr(vision_tower, "safe_open", recorder)
     yield recorder
 
 

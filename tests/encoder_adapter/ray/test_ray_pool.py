@@ -16,7 +16,6 @@ import os
 import shlex
 import signal
 import struct
-import subprocess
 import sys
 import time
 import zlib
@@ -32,17 +31,15 @@ import torch
 import yaml
 from PIL import Image
 
-from conftest import MP4_BYTES, chat, data_url, free_port, image_part, noise_png, serve
+from conftest import MP4_BYTES, chat, data_url, image_part, noise_png, serve
+from gateway_proc import GatewayProcess
 from kimi_tiny import save_full_checkpoint
 from modalgate.encoder_adapter import Overloaded, create_encoder
-from modalgate.encoder_adapter.local import KimiEncoderAdapter
-from modalgate.encoder_adapter.ray_serve import (
-    ADDRESS_ENV,
-    PoolConfig,
-    RayServeEncoder,
-    add_ray_commands,
-    deploy,
-)
+from modalgate.encoder_adapter.kimi.adapter import KimiEncoderAdapter
+from modalgate.encoder_adapter.ray.cli import add_ray_commands
+from modalgate.encoder_adapter.ray.client import RayServeEncoder
+from modalgate.encoder_adapter.ray.contract import ADDRESS_ENV
+from modalgate.encoder_adapter.ray.serve import PoolConfig, deploy
 from modalgate.gateway.app import create_app
 from modalgate.policy import parse_policy
 
@@ -78,8 +75,7 @@ class Pool:
     checkpoint: Path
     address: str
     encoder: RayServeEncoder
-    gateway: subprocess.Popen  # ``modalgate serve --encoder ray:APP``, started with the pool
-    gateway_url: str
+    gateway: GatewayProcess  # ``modalgate serve --encoder ray:APP``, started with the pool
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +95,7 @@ def pool(tmp_path_factory) -> Iterator[Pool]:
         config = PoolConfig(f"kimi:{checkpoint}", num_replicas=2, health_check_period_s=1.0)
         deploy(config, APP, wait=False)
         address = ray.get_runtime_context().gcs_address
-        gateway, gateway_url = start_gateway(address)
+        gateway = start_gateway(address)
         deadline = time.monotonic() + 120
         while serve.status().applications[APP].status != "RUNNING":
             assert time.monotonic() < deadline, serve.status().applications[APP]
@@ -107,13 +103,13 @@ def pool(tmp_path_factory) -> Iterator[Pool]:
         # One call per request: the tests about spreading count calls per replica.
         encoder = RayServeEncoder(APP, health_interval_s=0.5, coalesce_ms=0)
         try:
-            yield Pool(checkpoint, address, encoder, gateway, gateway_url)
+            yield Pool(checkpoint, address, encoder, gateway)
         finally:
             asyncio.run(encoder.close())
     finally:
-        if gateway is not None and gateway.poll() is None:
-            gateway.kill()
-            gateway.wait(10)
+        if gateway is not None:
+            gateway.stop()
+            gateway.log_path.unlink(missing_ok=True)
         ray.shutdown()  # the whole local cluster, Serve and replicas with it
 
 
@@ -356,8 +352,7 @@ def test_a_gateway_restart_loses_only_in_flight_requests(pool):
     """``modalgate serve --encoder ray:APP`` in its own process: SIGTERM while its requests
     are in the pool; they finish (uvicorn drains) or get a clean JSON error, the process
     exits, and the pool, untouched, serves the next gateway."""
-    process, base = pool.gateway, pool.gateway_url
-    wait_healthy(process, base)
+    process, base = pool.gateway.wait_ready(timeout_s=90).process, pool.gateway.url
     bodies = [chat(*(image_part(data_url(p)) for p in heavy_request(900 + k))) for k in range(3)]
     pids = {i["pid"] for i in run(pool.encoder.info())}
     with ThreadPoolExecutor(3) as threads:
@@ -415,7 +410,7 @@ def test_cli_print_config_and_usage_errors(capsys):
     assert args.run(args) == 0
     document = yaml.safe_load(capsys.readouterr().out)
     [app] = document["applications"]
-    assert app["import_path"] == "modalgate.encoder_adapter.ray_serve:app_builder"
+    assert app["import_path"] == "modalgate.encoder_adapter.ray.serve:app_builder"
     assert app["args"] == {"spec": "kimi:/models/k"}
     [deployment] = app["deployments"]
     assert deployment["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
@@ -456,34 +451,12 @@ def serve_gateway(encoder):
     return serve(create_app(policy=None, mode="encoder", encoder=encoder))
 
 
-def start_gateway(address: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+def start_gateway(address: str) -> GatewayProcess:
+    """The command users run, started now; ``wait_ready`` before sending it requests."""
     script = Path(sys.executable).with_name("modalgate")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "modalgate.gateway.cli"]
-    process = subprocess.Popen(
-        [
-            *command,
-            *shlex.split(f"serve --mode encoder --encoder ray:{APP} --log-level warning"),
-            *("--port", str(port)),
-        ],
-        env={**os.environ, ADDRESS_ENV: address},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    return process, f"http://127.0.0.1:{port}"
-
-
-def wait_healthy(process: subprocess.Popen, base: str) -> None:
-    deadline = time.monotonic() + 90
-    while True:
-        assert process.poll() is None, process.stdout.read().decode()
-        try:
-            if httpx.get(base + "/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "modalgate serve did not come up"
-        time.sleep(0.2)
+    serve_args = f"serve --mode encoder --encoder ray:{APP} --log-level warning --port {{port}}"
+    return GatewayProcess(command=[*command, *shlex.split(serve_args)], env={ADDRESS_ENV: address})
 
 
 def pybase64_decode(text: str) -> bytes:

@@ -22,8 +22,8 @@ from transformers.models.kimi_k25.image_processing_kimi_k25 import (
     navit_resize,
 )
 
-import modalgate.encoder_adapter.kimi as kimi
-from modalgate.encoder_adapter.kimi import KimiPreprocessor, navit_size
+from modalgate.encoder_adapter.kimi import preprocess
+from modalgate.encoder_adapter.kimi.preprocess import KimiPreprocessor, navit_size
 from modalgate.media import pillow_planes
 
 TOLERANCE = 1e-6  # max abs difference allowed on pixel_values (in practice: 0)
@@ -254,7 +254,7 @@ def test_patch_order_against_plain_numpy(
     monkeypatch: pytest.MonkeyPatch, band_patches: int
 ) -> None:
     """The banded uint8 patchify equals pad-then-reshape, for any band size and shape."""
-    monkeypatch.setattr(kimi, "_BAND_PATCHES", band_patches)
+    monkeypatch.setattr(preprocess, "_BAND_PATCHES", band_patches)
     rng = np.random.default_rng(band_patches)
     for height, width in [(1, 1), (14, 14), (13, 29), (29, 13), (56, 56), (83, 97), (140, 3)]:
         planes = [rng.integers(0, 256, (height, width), dtype=np.uint8) for _ in range(3)]
@@ -264,9 +264,9 @@ def test_patch_order_against_plain_numpy(
             canvas[:, :height, :width] = planes
             grid_h, grid_w = padded[0] // p, padded[1] // p
             expected = canvas.reshape(3, grid_h, p, grid_w, p).transpose(1, 3, 0, 2, 4)
-            got = np.concatenate([band.copy() for _, band in kimi._bands(planes, padded, p)])
+            got = np.concatenate([band.copy() for _, band in preprocess._bands(planes, padded, p)])
             assert np.array_equal(got, expected.reshape(-1, 3, p * p)), (height, width, p)
-            starts = [first for first, _ in kimi._bands(planes, padded, p)]
+            starts = [first for first, _ in preprocess._bands(planes, padded, p)]
             assert starts[0] == 0 and starts == sorted(set(starts))
 
 
@@ -387,7 +387,7 @@ def test_device_path_with_cudas_resize(name: str, monkeypatch: pytest.MonkeyPatc
     images = [noise_image(w, h, seed=i) for i, (w, h) in enumerate(DEVICE_SIZES)]
     native = ours(name)(images)[0]
     monkeypatch.setattr(_geometry, "_do_native_uint8_resize_on_cpu", lambda mode: False)
-    monkeypatch.setattr(kimi, "_native_uint8", lambda device: False)
+    monkeypatch.setattr(preprocess, "_native_uint8", lambda device: False)
     assert_conforms(reference(name), device_path_on_cpu(name), images)
     via_float = device_path_on_cpu(name)(images)[0]
     assert (native - via_float).abs().max().item() > 0  # the two resizes do differ a little

@@ -6,6 +6,9 @@ deployment handle, and keeps the adapter protocol: one result per image, or
 call, because a Serve call costs milliseconds of routing and RPC whatever it
 carries; a lost replica means a retry on another; a pool with no running replica
 means 503 at once, seen by a status probe in a background thread.
+
+It never imports the replica side (``ray.serve``): what both sides share is
+``ray.contract``'s.
 """
 
 from __future__ import annotations
@@ -16,22 +19,24 @@ import importlib
 import logging
 import threading
 import time
-import warnings
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from modalgate.encoder_adapter.batching import Overloaded
 from modalgate.encoder_adapter.protocol import Encoded
-from modalgate.encoder_adapter.ray_serve import (
+from modalgate.encoder_adapter.ray.contract import (
     DEFAULT_APP,
     Batching,
     PoolReply,
     check_batching,
     connect,
+    from_wire,
 )
 from modalgate.errors import ErrorCode, Violation
 from modalgate.settings import RaySettings
+
+__all__ = ["RayServeEncoder", "ray_encoder"]
 
 logger = logging.getLogger("modalgate.encoder.ray")
 
@@ -170,7 +175,7 @@ class RayServeEncoder:
         if reply.retry_after_s is not None:
             raise Overloaded(reply.retry_after_s)
         self.replicas[reply.replica] += 1
-        return [_from_wire(result) for result in reply.results]
+        return [from_wire(result) for result in reply.results]
 
     def _watch(self) -> None:
         while not self._stop.wait(self.health_interval_s):
@@ -275,19 +280,6 @@ def _short(exc: BaseException) -> str:
     """Ray's actor-death text runs to a page; the log needs its first line."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def _from_wire(result: Encoded) -> Encoded:
-    """numpy back to torch without a copy (the array may be a read-only view of the object
-    store; the tensor shares it, and nobody in modalgate writes into an embedding)."""
-    if result.embedding is None:
-        return result
-    import torch
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
-        tensor = torch.from_numpy(result.embedding)
-    return Encoded(embedding=tensor, grid_thw=result.grid_thw, cached=result.cached)
 
 
 def _failed() -> Violation:

@@ -3,7 +3,7 @@
 Decoding runs in the decode pool (many threads: Pillow releases the GIL);
 preprocessing and the forward pass run in the batcher's single model thread,
 one batch at a time, so the GPU (or the CPU's threads) serve one batch fully.
-The cache, decoding, batching and failure isolation are ``base.LocalImageAdapter``'s,
+The cache, decoding, batching and failure isolation are ``towers.local_adapter``'s,
 shared with the other local families; this module adds Kimi's preprocessor and tower.
 """
 
@@ -13,8 +13,8 @@ import os
 
 from PIL import Image
 
-from modalgate.encoder_adapter.base import LocalImageAdapter, Output
 from modalgate.encoder_adapter.batching import BatchSettings
+from modalgate.encoder_adapter.towers.local_adapter import LocalImageAdapter, Output
 from modalgate.media.decode import DEFAULT_MAX_PIXELS
 
 __all__ = ["KimiEncoderAdapter", "kimi_encoder"]
@@ -33,8 +33,8 @@ class KimiEncoderAdapter(LocalImageAdapter):
         decode_workers: int = 2,
         max_pixels: int = DEFAULT_MAX_PIXELS,
     ) -> None:
-        from modalgate.encoder_adapter.kimi import KimiPreprocessor
-        from modalgate.encoder_adapter.transformers_encoder import TransformersVisionEncoder
+        from modalgate.encoder_adapter.kimi.preprocess import KimiPreprocessor
+        from modalgate.encoder_adapter.kimi.tower import TransformersVisionEncoder
 
         self.model = TransformersVisionEncoder(path, device=device)
         settings = self.model.preprocessor_settings
