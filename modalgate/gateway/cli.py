@@ -136,8 +136,7 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     configure_logging(settings.log_level, settings.log_format)
     if settings.workers > 1:  # each worker builds its own gateway (gateway/server.py)
-        run_workers(settings)
-        return EXIT_OK
+        return EXIT_OK if run_workers(settings) else EXIT_USAGE
     try:
         gateway = create_app(policy, settings=settings)
     except StartupError as exc:  # an operator's problem: one line, no traceback

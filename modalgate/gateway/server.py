@@ -15,6 +15,7 @@ for requests that arrived meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -23,6 +24,7 @@ from typing import Any
 import uvicorn
 from pydantic import SecretStr
 from uvicorn.config import STARTUP_FAILURE
+from uvicorn.supervisors import Multiprocess
 
 from modalgate.gateway.app import Gateway, StartupError, create_app
 from modalgate.gateway.observability.logs import uvicorn_log_config
@@ -37,14 +39,19 @@ def run_single(gateway: Gateway, settings: GatewaySettings) -> None:
     uvicorn.run(gateway, **_options(settings))
 
 
-def run_workers(settings: GatewaySettings) -> None:
-    """``settings.workers`` processes; returns when the last has exited."""
+def run_workers(settings: GatewaySettings) -> bool:
+    """``settings.workers`` processes, until the last has exited; False when one failed to
+    start (its reason is its own one line; uvicorn then stops them all)."""
     with tempfile.TemporaryDirectory(prefix="modalgate-metrics-") as metrics_dir:
         os.environ.update(settings_environment(settings))
         os.environ[MULTIPROC_DIR_VARIABLE] = metrics_dir  # read as the workers import
-        uvicorn.run(
+        config = uvicorn.Config(
             f"{__name__}:worker_app", factory=True, workers=settings.workers, **_options(settings)
         )
+        supervisor = Multiprocess(config, sockets=[config.bind_socket()])
+        with contextlib.suppress(KeyboardInterrupt):
+            supervisor.run()
+    return all(process.exitcode != STARTUP_FAILURE for process in supervisor.processes)
 
 
 def worker_app() -> Gateway:

@@ -85,3 +85,13 @@ def test_workers_read_back_the_settings_the_parent_resolved(monkeypatch):
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
     assert GatewaySettings() == settings
+
+
+def test_a_worker_that_cannot_start_stops_serve_with_its_one_line():
+    gateway = GatewayProcess("--workers", "2", "--encoder", "no-such-encoder")
+    assert gateway.process.wait(STARTUP_S) == 2
+    text = gateway.text()
+    assert "cannot start the encoder: no encoder named 'no-such-encoder'" in text
+    assert "Traceback" not in text
+    gateway.stop()
+    gateway.log_path.unlink(missing_ok=True)
