@@ -3,9 +3,10 @@
 Pure and synchronous: bytes and a compiled policy in, a Verdict out. The walk
 knows only what gates need (model, roles, content parts); every other field is
 the server's business and passes untouched. Request shapes: Chat Completions
-(``messages``), the Responses API (``input``: a string, or items; every item
-that carries content or an image is walked, and one of an unknown type that
-carries content is refused), and the engines' other doors (``endpoints.py``).
+(``messages``, read as the server behind reads them: ``messages.py``), the
+Responses API (``input``: a string, or items; every item that carries content or
+an image is walked, and one of an unknown type that carries content is refused),
+and the engines' other doors (``endpoints.py``).
 The JSON is parsed once, duplicate keys refused (``json_body.py``).
 """
 
@@ -23,9 +24,8 @@ from modalgate.errors import (
     payload_too_large,
 )
 from modalgate.policy.matching import ResolvedRule, RuleMatcher
-from modalgate.validators.admission import admit, invalid
+from modalgate.validators.admission import invalid
 from modalgate.validators.dialects import (
-    EMBEDS_MODALITY,
     OPENAI,
     Dialect,
     dialect_for,
@@ -38,9 +38,15 @@ from modalgate.validators.media_checks import (
     content_violations,
     probe_violations,
 )
-from modalgate.validators.parts import PART_KINDS, part_type_of, read_part
+from modalgate.validators.messages import (
+    check_embeds_mix,
+    check_mm_kwargs,
+    read_content_part,
+    walk_message,
+    walk_messages,
+)
+from modalgate.validators.parts import PART_KINDS
 from modalgate.validators.verdict import Verdict, VerdictBuilder, refused
-from modalgate.validators.vllm_union import message_path
 
 _NAMES = {
     "image": "images",
@@ -175,14 +181,14 @@ def validate_request(
             problem = "is required" if messages is None else "must be a non-empty array"
             verdict.violations.append(invalid(f"'messages' {problem}", "messages"))
             return verdict.build()
-        _check_mm_kwargs(request, reader, verdict)
-        _walk_messages(messages, rule, verdict, reader)
+        check_mm_kwargs(request, reader, verdict)
+        walk_messages(messages, rule, verdict, reader)
     if api in _OTHER_WALKS:
         _OTHER_WALKS[api](request, rule, verdict)
     if verdict.violations or not verdict.parts:
         return verdict.build()  # refused, or text only: nothing more to check
     if not reader.mixes_raw_and_embeds:
-        _check_embeds_mix(verdict, reader)
+        check_embeds_mix(verdict, reader)
     _check_audio_in_video(request, rule, verdict, reader)
     if not verdict.violations:
         _check_counts(rule, verdict)
@@ -219,41 +225,6 @@ def _dialect_of(rule: ResolvedRule, dialect: DialectOf | None) -> Dialect:
     return dialect(rule) if dialect is not None else OPENAI
 
 
-def _check_mm_kwargs(request: dict[str, Any], dialect: Dialect, verdict: VerdictBuilder) -> None:
-    """vLLM refuses per-request processor and media-loading kwargs unless trusted."""
-    if dialect.takes_mm_kwargs:
-        return
-    for key in ("mm_processor_kwargs", "media_io_kwargs"):
-        if request.get(key):
-            verdict.violations.append(
-                invalid(
-                    f"per-request '{key}' are refused by this {dialect.engine} server (it"
-                    " was not started with --trust-request-mm-kwargs)",
-                    key,
-                )
-            )
-
-
-def _walk_messages(
-    messages: list[Any], rule: ResolvedRule, verdict: VerdictBuilder, dialect: Dialect
-) -> None:
-    violations = verdict.violations
-    for i, message in enumerate(messages):
-        if len(violations) >= MAX_LISTED_VIOLATIONS:
-            return
-        # The common case first, before any param path is built: plain text content.
-        if (
-            isinstance(message, dict)
-            and isinstance(message.get("content"), str)
-            and isinstance(message.get("role"), str)
-            and "reasoning" not in message
-            and "reasoning_content" not in message
-            and dialect.roles is None
-        ):
-            continue
-        _walk_message(message, path("messages", i), rule, verdict, dialect)
-
-
 def _walk_input(items: Any, rule: ResolvedRule, verdict: VerdictBuilder) -> None:
     """The Responses API's ``input``: text, or items in order.
 
@@ -279,16 +250,16 @@ def _walk_input(items: Any, rule: ResolvedRule, verdict: VerdictBuilder) -> None
         if not isinstance(kind, str):
             verdict.violations.append(invalid("'type' must be a string", path(where, "type")))
         elif kind == "message" or "role" in item:
-            _walk_message(item, where, rule, verdict)
+            walk_message(item, where, rule, verdict)
         elif kind in _OUTPUT_ITEMS:
             output = item.get("output")
             if isinstance(output, list):
                 for j, part in enumerate(output):
-                    _read_part(part, path(where, "output", j), "tool", rule, verdict)
+                    read_content_part(part, path(where, "output", j), "tool", rule, verdict)
         elif kind == "computer_call_output":
             _read_screenshot(item.get("output"), path(where, "output"), rule, verdict)
         elif kind in PART_KINDS:  # a content part where an item goes: judged as one
-            _read_part(item, where, "user", rule, verdict)
+            read_content_part(item, where, "user", rule, verdict)
         elif kind not in _CONTENTLESS_ITEMS and _CONTENT_KEYS.intersection(item):
             verdict.violations.append(
                 invalid(
@@ -308,140 +279,7 @@ def _read_screenshot(output: Any, where: str, rule: ResolvedRule, verdict: Verdi
             invalid("'type' must be 'computer_screenshot'", path(where, "type"))
         )
         return
-    _read_part({**output, "type": "input_image"}, where, "tool", rule, verdict)
-
-
-def _walk_message(
-    message: Any,
-    where: str,
-    rule: ResolvedRule,
-    verdict: VerdictBuilder,
-    dialect: Dialect = OPENAI,
-) -> None:
-    violations = verdict.violations
-    if not isinstance(message, dict):
-        violations.append(invalid("each message must be an object", where))
-        return
-    role = message.get("role")
-    if not isinstance(role, str):
-        violations.append(invalid("'role' must be a string", path(where, "role")))
-        return
-    if dialect.roles is not None and role.casefold() not in dialect.roles:
-        violations.append(
-            invalid(
-                f"{dialect.engine} takes the roles {', '.join(sorted(dialect.roles))}",
-                path(where, "role"),
-            )
-        )
-        return
-    for key, form in dialect.reasoning.items():
-        reasoning = message.get(key)
-        if reasoning is None or isinstance(reasoning, str):
-            continue
-        if form == "text_or_parts" and isinstance(reasoning, list):  # judged as content
-            for j, part in enumerate(reasoning):
-                _read_part(part, path(where, key, j), role, rule, verdict, dialect)
-        elif (
-            form == "text_or_embeds_part"
-            and isinstance(reasoning, dict)
-            and reasoning.get("type") == "prompt_embeds"
-        ):
-            _read_part(reasoning, path(where, key), role, rule, verdict, dialect)
-        else:
-            violations.append(invalid(f"'{key}' must be a string", path(where, key)))
-    content = message.get("content")
-    if isinstance(content, str):
-        return
-    if content is None:
-        if "content" not in message:
-            required = role in dialect.content_required
-        else:
-            allowed = dialect.null_content
-            required = role in dialect.content_required if allowed is None else role not in allowed
-        if required:
-            violations.append(invalid("'content' is required", path(where, "content")))
-        return
-    if not isinstance(content, list):
-        violations.append(
-            invalid(
-                "'content' must be a string or an array of content parts",
-                path(where, "content"),
-            )
-        )
-        return
-    if dialect.fallback is not None:  # vLLM: its own message type, or OpenAI's
-        reading, blamed = message_path(role, content)
-        if reading == "refused" and blamed is not None:
-            part_at = path(where, "content", blamed)
-            specific = _specific_refusal(content[blamed], part_at, role, dialect)
-            violations.append(
-                specific
-                if specific is not None
-                else invalid(
-                    f"{dialect.engine} takes no such content part in a {role[:40]!r} message"
-                    " (alone, or with only such parts, it is read as OpenAI's)",
-                    part_at,
-                )
-            )
-            return
-        if reading == "openai":
-            dialect = dialect.fallback
-    if not content and role == "user" and not dialect.empty_user_content:
-        violations.append(invalid("'content' must not be an empty array", path(where, "content")))
-        return
-    for j, part in enumerate(content):
-        if _is_plain_text(part):
-            continue
-        _read_part(part, path(where, "content", j), role, rule, verdict, dialect)
-        if len(violations) >= MAX_LISTED_VIOLATIONS:
-            return
-
-
-def _specific_refusal(part: Any, where: str, role: str, dialect: Dialect) -> Violation | None:
-    """What the engine's own reading finds wrong with a part it refuses, if it says."""
-    if not isinstance(part, dict):
-        return None
-    typed = part_type_of(part, where, dialect)
-    if isinstance(typed, Violation):
-        return typed
-    read = read_part(typed, part, where, role, dialect)
-    return read if isinstance(read, Violation) else None
-
-
-def _is_plain_text(part: Any) -> bool:
-    return (
-        isinstance(part, dict)
-        and len(part) == 2
-        and part.get("type") == "text"
-        and isinstance(part.get("text"), str)
-    )
-
-
-def _read_part(
-    part: Any,
-    where: str,
-    role: str,
-    rule: ResolvedRule,
-    verdict: VerdictBuilder,
-    dialect: Dialect = OPENAI,
-) -> None:
-    if isinstance(part, str) and dialect.bare_string_parts:
-        return
-    if not isinstance(part, dict):
-        verdict.violations.append(invalid("each content part must be an object", where))
-        return
-    typed = part_type_of(part, where, dialect)
-    if isinstance(typed, Violation):
-        verdict.violations.append(typed)
-        return
-    read = read_part(typed, part, where, role, dialect)
-    if read is None:
-        return
-    if isinstance(read, Violation):
-        verdict.violations.append(read)
-        return
-    read.type_param = typed.param
-    admit(read, rule, verdict)
+    read_content_part({**output, "type": "input_image"}, where, "tool", rule, verdict)
 
 
 def _check_audio_in_video(
@@ -479,23 +317,6 @@ def _check_audio_in_video(
                 flag,
             )
         )
-
-
-def _check_embeds_mix(verdict: VerdictBuilder, dialect: Dialect) -> None:
-    """vLLM refuses raw media and precomputed embeddings of one modality together."""
-    embedded = {
-        EMBEDS_MODALITY[p.part_type]: p for p in verdict.parts if p.part_type in EMBEDS_MODALITY
-    }
-    for part in verdict.parts:
-        if part.modality in embedded:
-            other = embedded.pop(part.modality)
-            verdict.violations.append(
-                invalid(
-                    f"{dialect.engine} takes {part.modality} inputs either raw or as"
-                    f" embeddings, not both in one request (see {other.param})",
-                    part.param,
-                )
-            )
 
 
 def _flag_set(request: dict[str, Any], dotted: str) -> bool:

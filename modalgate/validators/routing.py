@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from modalgate.errors import ErrorCode
 from modalgate.policy.matching import RuleMatcher
-from modalgate.validators.request import validate_request
+from modalgate.validators.request import DialectOf, validate_request
 from modalgate.validators.verdict import Verdict
 
 
@@ -29,14 +29,24 @@ def fallback_target(verdict: Verdict) -> str | None:
     return targets.pop()
 
 
-def with_fallback(verdict: Verdict, matcher: RuleMatcher, body_size: int | None = None) -> Verdict:
-    """The verdict for the fallback model (``model`` rewritten, its own rule's limits), or
-    ``verdict`` unchanged when no fallback applies."""
+def with_fallback(
+    verdict: Verdict,
+    matcher: RuleMatcher,
+    body_size: int | None = None,
+    dialect: DialectOf | None = None,
+) -> Verdict:
+    """The verdict for the fallback model (``model`` rewritten, its own rule's limits, read
+    in the dialect of the server that serves it), or ``verdict`` unchanged when no
+    fallback applies."""
     target = fallback_target(verdict)
     if target is None or verdict.request is None:
         return verdict
     rerouted = validate_request(
-        {**verdict.request, "model": target}, matcher, body_size, api=verdict.api
+        {**verdict.request, "model": target},
+        matcher,
+        body_size,
+        api=verdict.api,
+        dialect=dialect,
     )
     assert verdict.rule is not None
     return replace(rerouted, routed_from=verdict.rule.name)

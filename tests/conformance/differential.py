@@ -38,7 +38,6 @@ for _where in (str(ROOT), str(HERE.parent), str(HERE)):
         sys.path.insert(0, _where)
 
 import corpus  # noqa: E402
-
 from modalgate.errors import ErrorCode  # noqa: E402
 from modalgate.policy import RuleMatcher, load_policy, parse_policy  # noqa: E402
 from modalgate.validators.dialects import EngineSpec, dialect_for  # noqa: E402

@@ -19,7 +19,8 @@ TORCH_VERSION=2.13.0
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 VENV=${CONFORMANCE_VENV:-$ROOT/.venv-conformance}
-PYTHON=${PYTHON:-python3}
+# SGLang 0.5.23 ships wheels for CPython 3.11 only: take python3.11 where there is one.
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"

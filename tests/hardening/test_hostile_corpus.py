@@ -240,14 +240,15 @@ def test_a_configured_served_model_wins(toy):
     [
         ({"type": "text", "text": "x", "uuid": "u", "video_embeds": "AAAA"}, "type"),
         ({"type": "text", "text": "x", "uuid": "u", "video_url": {"url": "https://e/v"}}, "type"),
-        ({"uuid": "u", "video_url": {"url": "https://e/v.mp4"}}, "video_url"),
+        # no type: an OpenAI-compatible upstream (this toy) needs one; vLLM reads the key
+        ({"uuid": "u", "video_url": {"url": "https://e/v.mp4"}}, "type"),
         ({"type": "video_embeds", "video_embeds": "AAAA"}, "type"),
     ],
     ids=["text-uuid-video-embeds", "text-uuid-video-url", "typeless-uuid", "typed-video-embeds"],
 )
 def test_parts_are_judged_as_the_engine_reads_them(gateway, upstream, part, param):
     response = post(gateway, "/v1/chat/completions", chat(part, model="stills"))
-    code = "invalid_request" if part.get("type") == "text" else "unsupported_modality"
+    code = "invalid_request" if part.get("type") in ("text", None) else "unsupported_modality"
     refused(response, 400, code, f"messages.[0].content.[0].{param}")
     assert upstream.received == []
 
@@ -487,7 +488,9 @@ INPUT_IMAGE = {"type": "input_image", "image_url": data_url(PNG), "detail": "ori
     ("where", "body"),
     [
         ("/v1/chat/completions", chat(image_with("original"), model="stills")),
-        ("/v1/chat/completions", chat(image_with("default"), model="stills")),
+        # SGLang's "default" is taken where the upstream is SGLang (its dialect):
+        # tests/conformance/test_engine_dialects_served.py
+        ("/v1/chat/completions", chat(image_with("low"), model="stills")),
         (
             "/v1/chat/completions",
             chat({"type": "image_url", "image_url": None, "uuid": "cached-1"}, model="stills"),
@@ -504,7 +507,7 @@ INPUT_IMAGE = {"type": "input_image", "image_url": data_url(PNG), "detail": "ori
     ],
     ids=[
         "detail-original",
-        "detail-default",
+        "detail-low",
         "cached-uuid",
         "video-embeds",
         "responses-original",

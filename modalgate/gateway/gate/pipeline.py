@@ -65,7 +65,9 @@ class Decider:
         )
         edits: Edits = []
         if not verdict.accepted and verdict.rule is not None and verdict.rule.fallback:
-            routed = await self.run_cpu(received, with_fallback, verdict, self.matcher, received)
+            routed = await self.run_cpu(
+                received, with_fallback, verdict, self.matcher, received, self.dialect
+            )
             # Where the fallback refuses too, a shadowed request goes on to the model it named.
             if routed.accepted or not may_shadow(verdict, self.enforce):
                 verdict = routed

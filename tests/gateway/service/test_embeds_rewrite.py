@@ -47,6 +47,8 @@ models:
     accepts: [image, video]
     embeds: {grid_key: image_grid_thw, dtype: bfloat16}
 """
+# The rule's server named: vLLM reads its short forms (an image URL without a type).
+ON_VLLM = POLICY.replace("    embeds: {}\n", "    embeds: {}\n    engine: vllm\n", 1)
 
 
 def picture(width: int, height: int, seed: int, fmt: str = "PNG") -> bytes:
@@ -137,10 +139,10 @@ def test_images_become_string_form_image_embeds_in_place(checkpoint):
         text("first"),
         image(PNG),
         text("between"),
-        {"type": "image_url", "image_url": data_url(JPEG, "image/jpeg")},  # vLLM's short form
+        {"image_url": data_url(JPEG, "image/jpeg")},  # vLLM's short form: no type, a string
         text("last"),
     )
-    verdict = verdict_for(copy.deepcopy(original))
+    verdict = verdict_for(copy.deepcopy(original), ON_VLLM)
     spec = verdict.rule.embeds
     assert spec == EmbedsSpec()
 
