@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 import httpx
 import orjson
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, error_body
 from modalgate.gateway.gate.send import send_error
@@ -47,6 +47,11 @@ HOP_BY_HOP = frozenset(
 # Request headers the proxy sets itself: Host is the upstream's.
 _REPLACED_REQUEST = frozenset({b"host"})
 _BODY_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
+# A body that arrives whole in one message (one the gate read, or any small one) goes
+# upstream as bytes up to this size: one write with the headers, no stream, no write
+# timer. Under the client's 64 KiB write buffer, a write never waits on the upstream,
+# so the write timeout has nothing to time there.
+WHOLE_BODY_MAX_BYTES = 64 * 1024
 
 # (seconds to the response's start, status or None, error code or None, route name)
 UpstreamObserver = Callable[[float, "int | None", "str | None", str], None]
@@ -199,9 +204,19 @@ class _Exchange:
             self.client_gone = self._watcher_cancelled = True
             self._task.cancel()
 
-    async def _body(self) -> AsyncIterator[bytes]:
+    async def _content(self) -> bytes | AsyncIterator[bytes]:
+        """The request body: bytes when it came whole in one small message, else a stream."""
+        message = await self.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        if chunk and len(chunk) <= WHOLE_BODY_MAX_BYTES and not message.get("more_body", False):
+            self._watch_for_disconnect()
+            return chunk
+        return self._body(message)
+
+    async def _body(self, message: Message) -> AsyncIterator[bytes]:
         while True:
-            message = await self.receive()
             if message["type"] == "http.disconnect":
                 self.client_gone = True  # raised in the pool's writer task, seen by us later
                 raise ClientGone
@@ -211,9 +226,11 @@ class _Exchange:
             if not message.get("more_body", False):
                 self._watch_for_disconnect()
                 return
+            message = await self.receive()
 
     async def _exchange(self, fail_over: bool) -> bool:
         headers, has_body = self.proxy.headers_for(self.scope)
+        content = await self._content() if has_body else None
         if not has_body:
             self._watch_for_disconnect()
         try:
@@ -221,7 +238,7 @@ class _Exchange:
                 self.scope["method"].encode(),
                 self.proxy.target_of(self.scope),
                 headers,
-                self._body() if has_body else None,
+                content,
                 self.proxy.timeouts,
             )
         except httpx.HTTPError as exc:
