@@ -140,7 +140,12 @@ def test_policy_server_section_and_environment_configure_serve(upstream, tmp_pat
     env = {"MODALGATE_POLICY": str(policy), "MODALGATE_METRICS_PATH": "/from-env"}
     with GatewayProcess(env=env) as gateway:
         assert httpx.get(gateway.url + "/from-env").status_code == 200
-        assert httpx.post(gateway.url + "/v1/chat/completions", json=chat("hi")).status_code == 200
+        assert (
+            httpx.post(
+                gateway.url + "/v1/chat/completions", json=chat({"type": "text", "text": "hi"})
+            ).status_code
+            == 200
+        )
 
 
 def test_bad_settings_exit_2_with_one_line_each(tmp_path):

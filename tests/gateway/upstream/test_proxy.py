@@ -130,7 +130,9 @@ def test_refused_request_never_reaches_upstream(gateway, toy):
 
 def test_upstream_error_passes_through_unchanged(gateway, toy):
     toy.behaviour = Behaviour(status=422)
-    response = httpx.post(gateway.url + "/v1/chat/completions", json=chat("hi"))
+    response = httpx.post(
+        gateway.url + "/v1/chat/completions", json=chat({"type": "text", "text": "hi"})
+    )
     assert response.status_code == 422
     assert response.json() == {
         "object": "error",
@@ -237,7 +239,9 @@ def test_upstream_reset_mid_stream_is_an_error_event(gateway, toy):
 def test_client_disconnect_cancels_the_upstream_stream(gateway, toy):
     toy.behaviour = Behaviour(tokens=20, token_delay_s=0.2)
     with httpx.stream(
-        "POST", gateway.url + "/v1/chat/completions", json=chat("hi", stream=True)
+        "POST",
+        gateway.url + "/v1/chat/completions",
+        json=chat({"type": "text", "text": "hi"}, stream=True),
     ) as response:
         first = next(response.iter_raw())
         assert first.startswith(b"data: ")
@@ -254,7 +258,7 @@ def test_client_disconnect_before_the_answer_closes_the_upstream_request(gateway
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             gateway.url + "/v1/chat/completions",
-            json=chat("hi"),
+            json=chat({"type": "text", "text": "hi"}),
             headers={"x-request-id": "gives-up-early"},
             timeout=httpx.Timeout(5, read=0.3),
         )
@@ -266,11 +270,15 @@ def test_client_disconnect_before_the_answer_closes_the_upstream_request(gateway
 
 def test_request_id_round_trips(gateway, toy):
     response = httpx.post(
-        gateway.url + "/v1/chat/completions", json=chat("hi"), headers={"x-request-id": "req-42.a"}
+        gateway.url + "/v1/chat/completions",
+        json=chat({"type": "text", "text": "hi"}),
+        headers={"x-request-id": "req-42.a"},
     )
     assert response.headers.get_list("x-request-id") == ["req-42.a"]
     assert toy.received[0].headers["x-request-id"] == "req-42.a"
-    made = httpx.post(gateway.url + "/v1/chat/completions", json=chat("hi"))
+    made = httpx.post(
+        gateway.url + "/v1/chat/completions", json=chat({"type": "text", "text": "hi"})
+    )
     generated = made.headers["x-request-id"]
     assert len(generated) == 32
     assert toy.received[1].headers["x-request-id"] == generated
@@ -394,7 +402,10 @@ def test_upstream_comes_back(tmp_path):
             time.sleep(1.1)  # the readiness probe is cached for a second
             assert httpx.get(gateway.url + "/readyz").status_code == 200
             assert (
-                httpx.post(gateway.url + "/v1/chat/completions", json=chat("hi")).status_code == 200
+                httpx.post(
+                    gateway.url + "/v1/chat/completions", json=chat({"type": "text", "text": "hi"})
+                ).status_code
+                == 200
             )
 
 
@@ -429,7 +440,10 @@ def test_shutdown_lets_a_stream_in_flight_finish(upstream):
     try:
         chunks = []
         with httpx.stream(
-            "POST", gateway.url + "/v1/chat/completions", json=chat("hi", stream=True), timeout=20
+            "POST",
+            gateway.url + "/v1/chat/completions",
+            json=chat({"type": "text", "text": "hi"}, stream=True),
+            timeout=20,
         ) as response:
             for index, line in enumerate(response.iter_lines()):
                 if index == 0:
