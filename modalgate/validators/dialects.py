@@ -57,9 +57,7 @@ KEY_ORDER = (
     "video_url",
     "tool_reference",
 )
-
-
-_DETAILS = ("auto", "low", "high", "original")
+_DETAILS = ("auto", "low", "high", "original")  # openai's ImageURL.detail
 
 
 def _frozen(mapping: Mapping[str, object]) -> Mapping[str, object]:
@@ -99,7 +97,6 @@ class Dialect:
         )
     )
     audio_formats: frozenset[str] | None = frozenset({"wav", "mp3"})  # None: any string
-    # Text parts' payload must be a string (vLLM casts instead of checking).
     # Text-like part types whose payload must be a string (None: all of them), and those
     # whose null payload is dropped instead (vLLM's text and refusal).
     checked_text: frozenset[str] | None = None
