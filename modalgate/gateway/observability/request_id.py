@@ -14,10 +14,10 @@ one, so streamed responses are never buffered.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from collections.abc import Callable
-from uuid import uuid4
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -35,7 +35,9 @@ def is_safe_id(value: str) -> bool:
 
 
 def new_id() -> str:
-    return uuid4().hex
+    """32 hex digits from os.urandom, as ``uuid4().hex`` is, without building a UUID
+    object (a fifth of the cost on every request; no version digits fixed)."""
+    return os.urandom(16).hex()
 
 
 class RequestId:

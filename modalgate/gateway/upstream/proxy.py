@@ -307,29 +307,40 @@ def _take_back_cancel(task: asyncio.Task[Any] | None) -> bool:
 
 
 def forwarded_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
-    """The client's headers minus hop-by-hop ones, plus X-Forwarded-*."""
-    headers = scope["headers"]
-    connection_named = {
-        token.strip().lower()
-        for name, value in headers
-        if name == b"connection"
-        for token in value.split(b",")
-    }
-    kept = [
-        (name, value)
-        for name, value in headers
-        if name not in HOP_BY_HOP and name not in connection_named and name not in _REPLACED_REQUEST
-    ]
+    """The client's headers minus hop-by-hop ones, plus X-Forwarded-*.
+
+    One pass over the headers (this runs on every request); the headers a
+    ``Connection`` header names are dropped after it, in the rare request that has one.
+    """
+    kept: list[tuple[bytes, bytes]] = []
+    forwarded_for: list[bytes] = []
+    connection: list[bytes] = []
+    host: bytes | None = None
+    for item in scope["headers"]:
+        name = item[0]
+        if name in HOP_BY_HOP:
+            if name == b"connection":
+                connection.append(item[1])
+            continue
+        if name in _REPLACED_REQUEST:
+            if host is None:
+                host = item[1]
+            continue
+        if name == b"x-forwarded-for":
+            forwarded_for.append(item[1])
+        kept.append(item)
+    if connection:
+        named = {token.strip().lower() for value in connection for token in value.split(b",")}
+        kept = [item for item in kept if item[0] not in named]
     client = scope.get("client")
     if client:
-        previous = [value for name, value in headers if name == b"x-forwarded-for"]
-        chain = b", ".join([*previous, client[0].encode()])
-        kept = [(n, v) for n, v in kept if n != b"x-forwarded-for"]
-        kept.append((b"x-forwarded-for", chain))
-    host = next((value for name, value in headers if name == b"host"), None)
-    if host is not None and not any(n == b"x-forwarded-host" for n, _ in kept):
+        if forwarded_for:
+            kept = [item for item in kept if item[0] != b"x-forwarded-for"]
+        kept.append((b"x-forwarded-for", b", ".join([*forwarded_for, client[0].encode()])))
+    names = {item[0] for item in kept}
+    if host is not None and b"x-forwarded-host" not in names:
         kept.append((b"x-forwarded-host", host))
-    if not any(n == b"x-forwarded-proto" for n, _ in kept):
+    if b"x-forwarded-proto" not in names:
         kept.append((b"x-forwarded-proto", scope.get("scheme", "http").encode()))
     return kept
 
