@@ -141,13 +141,8 @@ def validate_request(
     request is judged as that model, whatever name it carries.
     """
     model = request.get("model")
-    verdict = VerdictBuilder(
-        matcher.mode,
-        model=model if isinstance(model, str) else None,
-        request=request,
-        api=api,
-        body_bytes=body_size or 0,
-    )
+    named = model if isinstance(model, str) else None
+    verdict = VerdictBuilder(matcher.mode, named, request, api, body_size or 0)
     if model is not None and not isinstance(model, str):
         verdict.violations.append(invalid("'model' must be a string", "model"))
         return verdict.build()
