@@ -4,7 +4,9 @@ The body is a chat-completions request; ModalGate has validated it (a video
 to kimi-k3 never gets here) and, for remote images, fetched the bytes. This
 endpoint hands the image bytes to the encoder adapter and answers with one
 embedding per image, as raw little-endian float32 in base64 (no JSON floats:
-a 4k-token image would otherwise cost megabytes of digits).
+a 4k-token image would otherwise cost megabytes of digits). An embedding names its
+image where an error on that image would: the param of its URL or data URL
+(``messages.[0].content.[1].image_url.url``), as every check of an image's bytes does.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def encode_endpoint(default: EncoderAdapter | None, by_spec: dict[str, EncoderAd
         images = [part for part in verdict.parts if part.modality == "image"]
         unusable = [part for part in images if part.data is None]
         if unusable:
-            param = unusable[0].payload_param or unusable[0].param
+            param = unusable[0].payload_at
             return _error(
                 Violation(
                     ErrorCode.INVALID_REQUEST,
@@ -103,7 +105,7 @@ async def _unless_disconnected(
 
 
 def _with_param(violation: Violation, part: MediaPart) -> Violation:
-    param = part.payload_param or part.param
+    param = part.payload_at
     return Violation(violation.code, f"{param}: {violation.message}", param)
 
 
@@ -126,7 +128,7 @@ def _body(verdict: Verdict, images: list[MediaPart], results: list[Any]) -> byte
             {
                 "object": "image_embedding",
                 "index": index,
-                "param": part.param,
+                "param": part.payload_at,  # what an error on this image names too
                 "grid_thw": list(result.grid_thw),
                 "tokens": tokens,
                 "shape": [tokens, hidden],

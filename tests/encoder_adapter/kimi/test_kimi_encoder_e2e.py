@@ -147,7 +147,7 @@ def test_encode_endpoint_returns_embeddings(encoder_url, checkpoint):
     for index, (item, want) in enumerate(zip(answer["data"], expected, strict=True)):
         assert item["object"] == "image_embedding"
         assert item["index"] == index
-        assert item["param"] == f"messages.[0].content.[{index + 1}]"
+        assert item["param"] == f"messages.[0].content.[{index + 1}].image_url.url"
         assert item["dtype"] == "float32"
         assert item["tokens"] == item["shape"][0] == want.shape[0]
         assert item["grid_thw"][0] == 1
