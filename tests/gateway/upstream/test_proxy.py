@@ -399,8 +399,11 @@ def test_upstream_comes_back(tmp_path):
     with GatewayProcess("--upstream", f"http://127.0.0.1:{port}") as gateway:
         assert httpx.get(gateway.url + "/readyz").status_code == 503
         with serve_on(toy, port):
-            time.sleep(1.1)  # the readiness probe is cached for a second
-            assert httpx.get(gateway.url + "/readyz").status_code == 200
+            # The readiness probe is cached for a second: ready within a few, not at once.
+            deadline = time.monotonic() + 5
+            while httpx.get(gateway.url + "/readyz").status_code != 200:
+                assert time.monotonic() < deadline, "the gateway never saw its upstream return"
+                time.sleep(0.05)
             assert (
                 httpx.post(
                     gateway.url + "/v1/chat/completions", json=chat({"type": "text", "text": "hi"})
@@ -421,7 +424,8 @@ def serve_on(toy: ToyUpstream, port: int):
         def __enter__(self):
             thread.start()
             deadline = time.monotonic() + 10
-            while not server.started and time.monotonic() < deadline:
+            while not server.started:
+                assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
                 time.sleep(0.01)
             return server
 
