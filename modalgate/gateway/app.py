@@ -55,7 +55,7 @@ from modalgate.gateway.service.dry_run import dry_run_endpoint
 from modalgate.gateway.service.embeds import unserved_embeds
 from modalgate.gateway.service.encode import ENCODE_PATH, encode_endpoint
 from modalgate.gateway.service.health import Readiness
-from modalgate.gateway.upstream.balancer import Upstreams
+from modalgate.gateway.upstream.balancer import UpstreamRoute, Upstreams
 from modalgate.gateway.upstream.engines import EngineDialects
 from modalgate.gateway.upstream.forward import Forwarder
 from modalgate.gateway.upstream.proxy import UpstreamSettings
@@ -79,6 +79,9 @@ class Gateway:
         encoder: EncoderAdapter | None = None,
     ) -> None:
         self.settings = settings
+        # (matcher, the default route's model lists, what they give): see _listed_models
+        self._listed_cache: tuple[RuleMatcher, tuple, tuple[frozenset[str], str | None]] | None
+        self._listed_cache = None
         self.metrics = GatewayMetrics()
         self.adapters_by_spec = _encoders_for(policy, settings.mode)
         self.default_encoder = encoder
@@ -217,11 +220,27 @@ class Gateway:
             return None
         if self.settings.served_model:
             return self.settings.served_model
-        listed = {model for target, _ in route.targets for model in target.served}
-        if any(model.casefold() == name.casefold() for model in listed):
-            return None
-        known = {m.casefold(): m for m in listed if self.gate.matcher.resolve(m).known}
-        return next(iter(known.values())) if len(known) == 1 else None
+        listed, only_known = self._listed_models(route)
+        return None if name.casefold() in listed else only_known
+
+    def _listed_models(self, route: UpstreamRoute) -> tuple[frozenset[str], str | None]:
+        """The route's listed ids (casefolded) and its one policy-known model, if one.
+
+        Read per request on the hot path, so kept until the lists or the policy change.
+        """
+        matcher = self.gate.matcher
+        lists = tuple(target.served for target, _ in route.targets)
+        cached = self._listed_cache
+        if cached is not None and cached[0] is matcher and cached[1] == lists:
+            return cached[2]
+        listed = {model for served in lists for model in served}
+        known = {m.casefold(): m for m in listed if matcher.resolve(m).known}
+        value = (
+            frozenset(m.casefold() for m in listed),
+            next(iter(known.values())) if len(known) == 1 else None,
+        )
+        self._listed_cache = (matcher, lists, value)
+        return value
 
     def open_paths(self) -> list[str]:
         """What a prober or scraper reaches without a key (unless told to ask for one)."""
