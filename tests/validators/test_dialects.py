@@ -15,6 +15,7 @@ from modalgate.policy import RuleMatcher, parse_policy
 from modalgate.settings import EngineSpec
 from modalgate.validators import Verdict, validate_body
 from modalgate.validators.dialects import OPENAI, SGLANG, Dialect, dialect_for
+from modalgate.validators.parts import PART_KINDS
 
 PNG = data_url(image_bytes("PNG"))
 VIDEO = "https://example.com/v.mp4"
@@ -244,3 +245,8 @@ def test_engine_shorthand_and_flags_in_a_policy():
 
 def test_policy_doc_dialect_table_is_the_generated_one():
     assert committed() == render(), "run: python tests/conformance/dialect_table.py --write"
+
+
+def test_the_openai_dialect_names_every_part_type_the_gate_reads() -> None:
+    # dialects.py cannot import parts.py (parts reads through it): this keeps the copy honest.
+    assert OPENAI.types | {"image_pil"} == set(PART_KINDS)
