@@ -28,6 +28,7 @@ from modalgate.policy import Policy, RuleMatcher
 AUTHZ_SCOPE_KEY = "modalgate.authz"  # marks a check; its path is the client's own
 MODEL_HEADER = b"x-modalgate-model"  # the model the request was judged as
 RULE_HEADER = b"x-modalgate-rule"  # the policy rule that judged it
+NONE = b"-"  # either header's value when there is none (a GET, no rule of the policy)
 
 
 class AuthzChecks:
@@ -59,7 +60,7 @@ class AuthzChecks:
 
 class AllowChecked:
     """Behind the gate: a check that got this far passed it, so the answer is 200 with
-    what the gate decided, for Envoy to add to the request it forwards. Requests the
+    what the gate decided, for Envoy to set on the request it forwards. Requests the
     gate does not judge (other paths, GET) are allowed as ``modalgate serve`` would
     forward them. Unmarked requests go on to the gateway's own routes."""
 
@@ -70,13 +71,18 @@ class AllowChecked:
         if scope["type"] != "http" or not scope.get(AUTHZ_SCOPE_KEY):
             await self.app(scope, receive, send)
             return
-        headers = [(b"content-length", b"0")]
+        # Both headers every time, ``-`` for none: Envoy overwrites a request header only
+        # when the check's answer carries it, so one left out would reach the model server
+        # with the client's own value (deploy/envoy/envoy.yaml strips those too).
+        model = rule = NONE
         verdict = get_verdict(scope)
         if verdict is not None:
-            if verdict.model:
-                headers.append((MODEL_HEADER, header_value(verdict.model)))
+            judged = verdict.judged_as or verdict.model
+            if judged:
+                model = header_value(judged)
             if verdict.rule is not None and verdict.rule.known:
-                headers.append((RULE_HEADER, header_value(verdict.rule.name)))
+                rule = header_value(verdict.rule.name)
+        headers = [(b"content-length", b"0"), (MODEL_HEADER, model), (RULE_HEADER, rule)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

@@ -76,10 +76,18 @@ def envoy_config(listen: int, upstream: int, modalgate: int) -> dict[str, Any]:
     for cluster in resources["clusters"]:
         endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
         endpoint["address"]["socket_address"]["port_value"] = ports[cluster["name"]]
-    authz = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    http_filter = authz["http_filters"][0]["typed_config"]["http_service"]
-    http_filter["server_uri"]["uri"] = f"http://127.0.0.1:{modalgate}"
+    http_service = ext_authz(config)["http_service"]
+    http_service["server_uri"]["uri"] = f"http://127.0.0.1:{modalgate}"
     return config
+
+
+def ext_authz(config: dict[str, Any]) -> dict[str, Any]:
+    """The config's ext_authz filter (its typed_config)."""
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    (authz,) = [
+        f for f in manager["typed_config"]["http_filters"] if f["name"].endswith(".ext_authz")
+    ]
+    return authz["typed_config"]
 
 
 @contextlib.contextmanager
@@ -179,7 +187,61 @@ def test_a_model_name_cannot_add_headers_to_the_forwarded_request(envoy, toy):
     (received,) = toy.received
     assert received.headers["x-modalgate-model"] == "my-model%0D%0Ax-evil: 1 %C3%A9"
     assert "x-evil" not in received.headers
-    assert "x-modalgate-rule" not in received.headers  # no rule of the policy judged it
+    assert received.headers["x-modalgate-rule"] == "-"  # no rule of the policy judged it
+
+
+def test_a_clients_own_modalgate_headers_never_reach_the_upstream(envoy, toy):
+    # Envoy sets a header only when the check's answer carries it: modalgate sends both
+    # every time, and the config drops the client's before the check.
+    evil = {"x-modalgate-rule": "evil", "x-modalgate-model": "evil"}
+    listed = httpx.get(envoy + "/v1/models", headers=evil)
+    assert listed.status_code == 200
+    accepted = httpx.post(envoy + "/v1/chat/completions", json=chat(), headers=evil)
+    assert accepted.status_code == 200
+    unknown = httpx.post(envoy + "/v1/chat/completions", json=chat(model="other"), headers=evil)
+    assert unknown.status_code == 200
+    get, post, other = toy.received
+    assert get.path == "/v1/models"
+    assert (get.headers["x-modalgate-model"], get.headers["x-modalgate-rule"]) == ("-", "-")
+    assert (post.headers["x-modalgate-model"], post.headers["x-modalgate-rule"]) == (
+        "kimi-k3",
+        "kimi-k3",
+    )
+    assert (other.headers["x-modalgate-model"], other.headers["x-modalgate-rule"]) == (
+        "other",
+        "-",
+    )
+    for received in toy.received:
+        sent = [v for k, v in received.raw_headers if k.startswith("x-modalgate-")]
+        assert "evil" not in sent and len(sent) == 2
+
+
+def test_the_config_drops_a_clients_modalgate_headers_before_the_check(upstream, decider, toy):
+    # With the check's headers kept from the upstream, what is left is the client's: none.
+    _, upstream_port = upstream
+    config = envoy_config(free_port(), upstream_port, decider.port)
+    del ext_authz(config)["http_service"]["authorization_response"]
+    evil = {"x-modalgate-rule": "evil", "x-modalgate-model": "evil"}
+    with running_envoy(config, "/health") as url:
+        assert httpx.get(url + "/v1/models", headers=evil).status_code == 200
+        assert httpx.post(url + "/v1/chat/completions", json=chat(), headers=evil).status_code == 200
+    for received in toy.received:
+        assert not [k for k, _ in received.raw_headers if k.startswith("x-modalgate-")]
+    assert len(toy.received) == 2
+
+
+def test_the_model_header_is_the_model_the_request_was_judged_as(upstream, toy):
+    _, upstream_port = upstream
+    flags = ("--authz-prefix", PREFIX, "--served-model", "kimi-k3", "--no-access-log")
+    with GatewayProcess(*flags) as served:
+        config = envoy_config(free_port(), upstream_port, served.port)
+        with running_envoy(config, "/health") as url:
+            answer = httpx.post(url + "/v1/chat/completions", json=chat(model="my-alias"))
+    assert answer.status_code == 200
+    (received,) = toy.received
+    assert received.json()["model"] == "my-alias"  # the body is the client's
+    assert received.headers["x-modalgate-model"] == "kimi-k3"
+    assert received.headers["x-modalgate-rule"] == "kimi-k3"
 
 
 def test_a_stream_passes_through(client, toy):
@@ -284,8 +346,7 @@ def test_api_keys_are_asked_for_by_the_decision_service(upstream, toy):
 def test_a_body_over_envoys_buffer_is_envoys_own_413_and_never_checked(upstream, decider, toy):
     _, upstream_port = upstream
     config = envoy_config(free_port(), upstream_port, decider.port)
-    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    authz = manager["typed_config"]["http_filters"][0]["typed_config"]
+    authz = ext_authz(config)
     authz["with_request_body"]["max_request_bytes"] = 4096
     with running_envoy(config, "/health") as url:
         small = httpx.post(url + "/v1/chat/completions", json=chat())
