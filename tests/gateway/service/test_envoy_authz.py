@@ -224,7 +224,8 @@ def test_the_config_drops_a_clients_modalgate_headers_before_the_check(upstream,
     evil = {"x-modalgate-rule": "evil", "x-modalgate-model": "evil"}
     with running_envoy(config, "/health") as url:
         assert httpx.get(url + "/v1/models", headers=evil).status_code == 200
-        assert httpx.post(url + "/v1/chat/completions", json=chat(), headers=evil).status_code == 200
+        posted = httpx.post(url + "/v1/chat/completions", json=chat(), headers=evil)
+        assert posted.status_code == 200
     for received in toy.received:
         assert not [k for k, _ in received.raw_headers if k.startswith("x-modalgate-")]
     assert len(toy.received) == 2
