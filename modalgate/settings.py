@@ -62,8 +62,18 @@ def _absolute(value: str) -> str:
     return value
 
 
+def _authz_prefix(value: str) -> str:
+    if not value.strip("/"):
+        raise ValueError(
+            "must name a path under / (e.g. /ext-authz): under / every request, /healthz"
+            " and /metrics included, would be taken for a check"
+        )
+    return value
+
+
 UpstreamUrl = Annotated[str, AfterValidator(_http_url)]
 AbsolutePath = Annotated[str, AfterValidator(_absolute)]
+AuthzPrefix = Annotated[str, AfterValidator(_absolute), AfterValidator(_authz_prefix)]
 Seconds = Annotated[float, Field(gt=0)]
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 # The model server behind an upstream, whose request parsing the gate follows.
@@ -140,7 +150,7 @@ class GatewaySettings(BaseSettings):
         " kimi:/models/kimi-vit",
         json_schema_extra=_flag("NAME[:ARG]"),
     )
-    authz_prefix: AbsolutePath | None = Field(
+    authz_prefix: AuthzPrefix | None = Field(
         None,
         description="answer Envoy's ext_authz checks under this path (its http_service"
         " path_prefix) instead of proxying: Envoy forwards, the gate decides (docs/envoy.md)",

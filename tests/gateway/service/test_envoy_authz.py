@@ -21,6 +21,7 @@ import openai
 import orjson
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from conftest import (
     MP4_BYTES,
@@ -372,3 +373,10 @@ def test_rewrites_ext_authz_cannot_carry_are_refused_at_start():
         create_app(policy, settings=GatewaySettings(authz_prefix=PREFIX))
     with pytest.raises(StartupError, match="no --upstream"):
         create_app(settings=GatewaySettings(authz_prefix=PREFIX, upstream="http://127.0.0.1:1"))
+
+
+@pytest.mark.parametrize("prefix", ["/", "//"])
+def test_a_prefix_of_slash_alone_is_refused_since_every_path_would_be_a_check(prefix):
+    with pytest.raises(ValidationError, match="/healthz and /metrics included"):
+        GatewaySettings(authz_prefix=prefix)
+    assert GatewaySettings(authz_prefix="/ext-authz/").authz_prefix == "/ext-authz/"
