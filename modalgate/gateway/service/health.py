@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from modalgate.gateway.gate.send import json_bytes
-from modalgate.gateway.upstream.balancer import Target, Upstreams
+from modalgate.gateway.upstream.balancer import Target, UpstreamRoute, Upstreams
 
 PROBE_MAX_AGE_S = 1.0
 PROBE_TIMEOUT_S = 2.0
@@ -52,11 +52,10 @@ class Readiness:
         if self.draining:  # out of the balancer at once; nothing else to probe
             body = json_bytes({"status": "not_ready", "reason": "draining"})
             return Response(body, 503, media_type="application/json")
-        states = await self.upstream_states()
-        routes = {
-            route.name: any(states[target.url].reason is None for target, _ in route.targets)
-            for route in self.upstreams.routes
-        }
+        # The routes and the states of their targets from one snapshot: a reload while
+        # the probes run must not leave a route with a target that was never probed.
+        served, states = await self.snapshot()
+        routes = {route.name: _route_ready(route, states) for route in served}
         checks: dict[str, object] = {
             "policy": True,  # the gateway does not start without one; reloads are atomic
             "upstream": all(routes.values()),
@@ -72,8 +71,15 @@ class Readiness:
 
     async def upstream_states(self) -> dict[str, UpstreamState]:
         """Each upstream's state, probed again where older than ``PROBE_MAX_AGE_S``."""
+        _, states = await self.snapshot()
+        return states
+
+    async def snapshot(self) -> tuple[list[UpstreamRoute], dict[str, UpstreamState]]:
+        """The routes as they were when the probes started, and the state of each of
+        their targets (probed again where older than ``PROBE_MAX_AGE_S``)."""
         async with self._lock:
-            targets = dict(self.upstreams.targets)
+            routes = self.upstreams.routes
+            targets = {target.url: target for route in routes for target, _ in route.targets}
             now = time.monotonic()
             stale = [
                 target
@@ -84,11 +90,20 @@ class Readiness:
                 for target in stale:
                     group.start_soon(self._probe, target)
             self._states = {url: self._states[url] for url in targets}
-            return self._states
+            return routes, self._states
 
     async def _probe(self, target: Target) -> None:
         reason = await models_problem(target)
         self._states[target.url] = UpstreamState(time.monotonic(), reason)
+
+
+def _route_ready(route: UpstreamRoute, states: dict[str, UpstreamState]) -> bool:
+    """A target with no state (none should lack one) counts as not ready."""
+    for target, _ in route.targets:
+        state = states.get(target.url)
+        if state is not None and state.reason is None:
+            return True
+    return False
 
 
 async def models_problem(target: Target) -> str | None:

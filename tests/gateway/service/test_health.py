@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import anyio
 import httpx
+import orjson
 import pytest
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
@@ -18,6 +19,7 @@ from gateway_proc import GatewayProcess
 from modalgate.gateway.service.health import Readiness
 from modalgate.gateway.upstream.balancer import Upstreams
 from modalgate.gateway.upstream.proxy import UpstreamSettings
+from modalgate.policy.models import ModelRule, UpstreamTarget
 from toy_upstream import ToyUpstream
 
 
@@ -134,3 +136,31 @@ def test_polls_that_arrive_together_cost_one_probe(toy):
     upstream.received.clear()
     anyio.run(poll_together)
     assert [r.path for r in upstream.received] == ["/v1/models"]
+
+
+def test_a_reload_while_the_probes_run_is_answered_not_a_500(toy):
+    # The routes are read once, with the targets probed: a new upstream that a reload adds
+    # during the probes is not looked up in states that never had it (was a KeyError).
+    _, base = toy
+    added = f"http://127.0.0.1:{free_port()}"
+
+    class ReloadedMidProbe(Readiness):
+        async def _probe(self, target):
+            await super()._probe(target)
+            rule = ModelRule(name="added", accepts=[], upstream=[UpstreamTarget(url=added)])
+            self.upstreams.use_policy([rule])
+
+    async def poll() -> tuple[int, dict]:
+        upstreams = Upstreams(base, UpstreamSettings(), "/health")
+        try:
+            readiness = ReloadedMidProbe(upstreams)
+            readiness.encoders_warm = True  # as the app sets it without encoders
+            answer = await readiness.endpoint(None)
+            return answer.status_code, orjson.loads(answer.body)
+        finally:
+            await upstreams.aclose()
+
+    status, body = anyio.run(poll)
+    assert status == 200  # as it stood when the poll began: the default route, ready
+    assert body["checks"] == {"policy": True, "upstream": True, "encoders": True}
+    assert body["upstreams"] == {base: {"ready": True}}
