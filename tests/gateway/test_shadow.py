@@ -26,7 +26,10 @@ from conftest import (
 )
 from gateway_proc import GatewayProcess, metric
 from modalgate.gateway.app import create_app
+from modalgate.gateway.gate.shadow import shadow_in_effect
 from modalgate.gateway.observability.startup import in_effect
+from modalgate.policy import RuleMatcher
+from modalgate.policy.loading import parse_policy
 from toy_upstream import ToyUpstream
 
 PNG = image_bytes("PNG", (40, 30))
@@ -54,6 +57,14 @@ models:
     accepts: [image]
     enforce: false
     fallback: {{video: video-model}}
+  - name: image-router
+    accepts: []
+    enforce: true
+    fallback: {{image: lenient-vision}}
+  - name: lenient-vision
+    accepts: [image]
+    enforce: false
+    limits: {{max_images: 1}}
 """
 
 
@@ -160,14 +171,29 @@ def test_the_rules_in_shadow_mode_are_named_at_start(tmp_path):
     policy.write_text(POLICY.format(enforce="false"), encoding="utf-8")
     gateway = create_app(policy, upstream="http://127.0.0.1:9")
     assert in_effect(gateway)["shadow"] == (
-        "shadowed-vision, text-only, shadowed-router, unknown models"
+        "shadowed-vision, text-only, shadowed-router, lenient-vision, unknown models"
     )
     per_rule = tmp_path / "per-rule.yaml"
     per_rule.write_text(POLICY.format(enforce="true"), encoding="utf-8")
     assert in_effect(create_app(per_rule, upstream="http://127.0.0.1:9"))["shadow"] == (
-        "shadowed-vision, shadowed-router"
+        "shadowed-vision, shadowed-router, lenient-vision"
     )
     assert in_effect(create_app(per_rule))["shadow"] is None  # a dry run answers the verdict
+
+
+def test_no_enforce_names_the_embeds_rules_it_cannot_shadow():
+    policy = parse_policy(
+        "models:\n"
+        "  - {name: tower-a, accepts: [image], embeds: {}}\n"
+        "  - {name: plain, accepts: [image]}\n"
+        "  - {name: tower-b, accepts: [image], embeds: {}}\n",
+        fmt="yaml",
+    )
+    matcher = RuleMatcher(policy)
+    assert shadow_in_effect(matcher, False) == "every rule but embeds rules: tower-a, tower-b"
+    assert shadow_in_effect(matcher, None) is None
+    plain = parse_policy("models:\n  - {name: plain, accepts: [image]}\n", fmt="yaml")
+    assert shadow_in_effect(RuleMatcher(plain), False) == "every rule"
 
 
 def test_enforce_false_at_the_top_shadows_every_rule_but_one_that_says_true(everywhere, received):
@@ -264,6 +290,23 @@ def test_where_the_fallback_refuses_too_the_shadowed_request_goes_on_as_sent(per
     assert "x-modalgate-routed-to" not in response.headers
     [forwarded] = chats(received)
     assert forwarded.body == orjson.dumps(request)
+
+
+def test_an_enforcing_rules_fallback_that_refuses_is_not_shadowed(per_rule, received):
+    # image-router enforces and sends images to lenient-vision (shadow mode, one image):
+    # two images were forwarded as sent, model still image-router, which refuses images.
+    request = chat(image_part(data_url(PNG)), image_part(data_url(PNG)), model="image-router")
+    response = post(per_rule, request)
+    error = response.json()["error"]
+    assert (response.status_code, error["code"]) == (400, "too_many_media")
+    assert response.headers["x-modalgate-routed-to"] == "lenient-vision"
+    assert "x-modalgate-shadow" not in response.headers
+    assert chats(received) == []
+    one = post(per_rule, chat(image_part(data_url(PNG)), model="image-router"))
+    assert one.status_code == 200  # the fallback that takes it still routes it
+    assert "x-modalgate-shadow" not in one.headers
+    [forwarded] = chats(received)
+    assert forwarded.json()["model"] == "lenient-vision"
 
 
 def test_validate_answers_the_verdict_whatever_the_mode(per_rule, received):

@@ -74,7 +74,10 @@ class Decider:
             if verdict.routed_from is not None and verdict.accepted:
                 edits.append((("model",), verdict.model))
         if not verdict.accepted:
-            if may_shadow(verdict, self.enforce):
+            # A refusal is shadowed only under the rule that judged the body as it would be
+            # forwarded: a fallback's refusal judged the rewritten body, so where the rule
+            # named (which enforces) routed it and the target refuses, that is the answer.
+            if verdict.routed_from is None and may_shadow(verdict, self.enforce):
                 return await self._shadowed(verdict, body, api)
             return Decision(verdict, body)
         if verdict.remote_parts and self.media is not None:

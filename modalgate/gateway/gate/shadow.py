@@ -76,7 +76,8 @@ def shadow_in_effect(matcher: RuleMatcher, enforce: bool | None) -> str | None:
     if enforce:
         return None
     if enforce is False:
-        return "every rule"
+        embeds = [rule.name for rule in matcher.rules if rule.embeds is not None]
+        return "every rule but embeds rules: " + ", ".join(embeds) if embeds else "every rule"
     policy = matcher.policy
     names = [
         rule.name
