@@ -4,7 +4,11 @@ have finished (at most the grace period); then the server's own shutdown runs.
 
 Without it, uvicorn closes its listening socket on the signal: a balancer's next
 probe meets a refused connection, and requests already routed here are refused
-too. A second signal skips the wait.
+too. A second SIGINT skips the wait, as a second SIGINT forces uvicorn's exit (a
+repeated SIGTERM does not); but a signal within ``REPEAT_WINDOW_S`` of the first is the
+same shutdown told twice and is ignored: under ``--workers`` a group signal (Ctrl-C,
+systemd's ``KillMode=control-group``) reaches each worker, and then uvicorn's parent
+sends it SIGTERM.
 
 The hook wraps the server's own signal handler, so it is installed only where
 ``modalgate serve`` runs the app (``enabled``), from the lifespan startup on the
@@ -19,6 +23,7 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -28,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from modalgate.gateway.service.health import Readiness
 
 DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REPEAT_WINDOW_S = 1.0  # a second signal sooner than this is the first one relayed
 logger = logging.getLogger("modalgate.gateway")
 SignalHandler = Callable[[int, FrameType | None], Any]
 
@@ -44,6 +50,7 @@ class Drain:
         self._idle: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._handed_over = False
+        self._first_signal_at: float | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -79,12 +86,23 @@ class Drain:
 
     def _handler(self, loop: asyncio.AbstractEventLoop, server: SignalHandler) -> SignalHandler:
         def on_signal(number: int, frame: FrameType | None) -> None:
-            if self.readiness.draining or not self.grace_period_s:
-                self._handed_over = True
-                server(number, frame)  # a second signal, or no grace: the server's way, now
+            now = time.monotonic()
+            if self._first_signal_at is None:
+                self._first_signal_at = now
+                if not self.grace_period_s:
+                    self._handed_over = True
+                    server(number, frame)  # no grace: the server's way, now
+                    return
+                self.readiness.draining = True
+                loop.call_soon_threadsafe(self._start, server, number, frame)
                 return
-            self.readiness.draining = True
-            loop.call_soon_threadsafe(self._start, server, number, frame)
+            if now - self._first_signal_at < REPEAT_WINDOW_S:
+                return  # the first signal again: a group signal, then the parent's SIGTERM
+            if self._handed_over:
+                server(number, frame)  # the server's shutdown is under way: its convention
+            elif number == signal.SIGINT:
+                self._handed_over = True
+                server(number, frame)  # a second Ctrl-C: skip the wait
 
         return on_signal
 

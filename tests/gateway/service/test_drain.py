@@ -3,8 +3,12 @@ request in flight still finishes, then the process exits."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import anyio.to_thread
@@ -16,7 +20,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from conftest import chat, serve
-from gateway_proc import GatewayProcess
+from gateway_proc import MODALGATE, GatewayProcess
 
 TIMEOUT_S = 20
 
@@ -89,3 +93,59 @@ def test_with_nothing_in_flight_sigterm_stops_at_once(held):
         gateway.signal(signal.SIGTERM)
         gateway.process.wait(TIMEOUT_S)  # well within the 30 s grace period
         assert "draining" in gateway.text()
+
+
+def in_own_group(*args: str) -> list[str]:
+    """``modalgate serve`` as the leader of its own process group, so that the test can
+    signal the group as a terminal's Ctrl-C or systemd's ``KillMode=control-group`` does."""
+    start = "import os, sys; os.setsid(); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    return [sys.executable, "-c", start, *MODALGATE[1:], "serve", "--port", "{port}", *args]
+
+
+def test_a_group_signal_then_the_parents_sigterm_still_drains_every_worker(held):
+    # Ctrl-C reaches each worker, then uvicorn's parent sends each one SIGTERM: the second
+    # signal, within a second of the first, does not cut the drain short.
+    upstream, base = held
+    command = in_own_group("--upstream", base, "--grace-period", "30", "--workers", "2")
+    with GatewayProcess(command=command) as gateway:
+        answers: list[httpx.Response] = []
+        client = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(gateway.url + "/v1/chat/completions", json=chat(), timeout=TIMEOUT_S)
+            )
+        )
+        client.start()
+        assert upstream.arrived.wait(TIMEOUT_S)
+        os.killpg(gateway.process.pid, signal.SIGINT)
+        gateway.wait_for_log(lambda line: line.get("event") == "draining")
+        time.sleep(2)  # past the second uvicorn gives requests once its own shutdown starts
+        assert client.is_alive()
+        assert gateway.process.poll() is None
+        upstream.release.set()
+        client.join(TIMEOUT_S)
+        assert [answer.status_code for answer in answers] == [200]
+        gateway.process.wait(TIMEOUT_S)
+
+
+def post_and_forget(url: str) -> None:
+    with contextlib.suppress(httpx.HTTPError):  # cut off when the gateway stops
+        httpx.post(url + "/v1/chat/completions", json=chat(), timeout=TIMEOUT_S)
+
+
+def test_a_second_sigint_after_a_second_skips_the_wait(held):
+    upstream, base = held
+    with GatewayProcess("--upstream", base, "--grace-period", "30") as gateway:
+        client = threading.Thread(target=post_and_forget, args=(gateway.url,))
+        client.start()
+        assert upstream.arrived.wait(TIMEOUT_S)
+        gateway.signal(signal.SIGINT)
+        gateway.wait_for_log(lambda line: line.get("event") == "draining")
+        time.sleep(1.2)
+        gateway.signal(signal.SIGTERM)  # a repeated SIGTERM does not, as under uvicorn
+        time.sleep(1.5)  # past the second uvicorn's own shutdown would give it
+        assert gateway.process.poll() is None
+        gateway.signal(signal.SIGINT)
+        gateway.process.wait(10)  # the request still held: the drain was cut short
+        assert upstream.release.is_set() is False
+        upstream.release.set()
+        client.join(TIMEOUT_S)
