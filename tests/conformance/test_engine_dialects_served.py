@@ -7,13 +7,17 @@ which engine it is, and the official ``openai`` client."""
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
+import uvicorn
 
-from conftest import data_url, image_bytes, serve
+from conftest import data_url, free_port, image_bytes, serve
 from modalgate.gateway.app import create_app
 from modalgate.policy import parse_policy
 from modalgate.settings import GatewaySettings
@@ -112,3 +116,42 @@ def test_the_engine_setting_wins_over_what_the_upstream_says():
     with upstream("vllm") as toy, gateway(toy, engine="sglang") as client:
         forwarded(toy, client, DEFAULT_DETAIL)
         assert refused(client, ORIGINAL_DETAIL).param == f"{P0}.image_url.detail"
+
+
+def test_an_upstream_down_at_start_is_read_as_its_engine_once_it_answers():
+    # Down at start: no model list, so an engine of unknown make (openai). Once a
+    # readiness probe gets its list, the gate reads it as vLLM: no wait for a reload.
+    port = free_port()
+    # vLLM infers a part's type from its key (with a typed part beside it).
+    typeless = [{"type": "text", "text": "see"}, {"image_url": {"url": PNG}}]
+    app = create_app(POLICY, settings=GatewaySettings(upstream=f"http://127.0.0.1:{port}"))
+    toy = ToyUpstream(name="toy", owned_by="vllm")
+    with (
+        serve(app) as url,
+        openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client,
+    ):
+        assert httpx.get(url + "/readyz").status_code == 503
+        assert refused(client, typeless).param == "messages.[0].content.[1].type"  # openai's
+        with serving_on(toy.app(), port):
+            deadline = time.monotonic() + 5  # readiness answers are reused for a second
+            while httpx.get(url + "/readyz").status_code != 200:
+                assert time.monotonic() < deadline, "the gateway never saw its upstream"
+                time.sleep(0.05)
+            forwarded(toy, client, typeless)
+
+
+@contextlib.contextmanager
+def serving_on(app: Any, port: int) -> Iterator[None]:
+    """``app`` under uvicorn on ``port``, chosen before anything listened there."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -37,6 +37,12 @@ class ModelCatalog:
         self._matcher = matcher  # the gate's current one: a reload changes it
         self.upstreams = upstreams
         self._reported: dict[str, tuple[float, list[dict[str, Any]]]] = {}
+        upstreams.on_answering = self.relist  # a target back up, or never read: read it
+
+    async def relist(self, target: Target) -> None:
+        """Read ``target``'s model list now, whatever was cached."""
+        self._reported.pop(target.url, None)
+        await self._listed_by(target)
 
     @property
     def matcher(self) -> RuleMatcher:
@@ -110,11 +116,8 @@ class ModelCatalog:
             data = response.json().get("data") if response.status_code == 200 else None
         except (httpx.HTTPError, TimeoutError, ValueError, AttributeError):
             data = None  # an upstream without a model list: the policy speaks for it
-        models = [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+        models = learn_models(target, data) if isinstance(data, list) else []
         self._reported[target.url] = (time.monotonic(), models)
-        if data is not None:
-            target.served = tuple(m["id"] for m in models if isinstance(m.get("id"), str))
-            target.engine = engine_of(models)
         return models
 
     async def list_endpoint(self, request: Request) -> Response:
@@ -130,6 +133,18 @@ class ModelCatalog:
             )
             return Response(error_json([violation]), 404, media_type="application/json")
         return Response(json_bytes(model), media_type="application/json")
+
+
+def learn_models(target: Target, data: list[Any]) -> list[dict[str, Any]]:
+    """``target``'s ``/v1/models`` list (its ``data``) read: which models it serves and
+    which engine it is, as the gate judges requests routed to it. The one place these
+    are learnt: at start, on reload, on ``GET /v1/models``, on each readiness probe that
+    got a list (health.py), and when the health watch finds the target answering again."""
+    models = [m for m in data if isinstance(m, dict)]
+    target.served = tuple(m["id"] for m in models if isinstance(m.get("id"), str))
+    target.engine = engine_of(models)
+    target.listed = True
+    return models
 
 
 def capabilities(rule: ResolvedRule, mode: str | None) -> dict[str, Any]:

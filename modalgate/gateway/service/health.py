@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from modalgate.gateway.gate.send import json_bytes
+from modalgate.gateway.service.catalog import learn_models
 from modalgate.gateway.upstream.balancer import Target, UpstreamRoute, Upstreams
 
 PROBE_MAX_AGE_S = 1.0
@@ -124,6 +125,7 @@ async def models_problem(target: Target) -> str | None:
         listed = None
     if not isinstance(listed, list):
         return f"status 200 from {MODELS_PATH}, but not a model list"
+    learn_models(target, listed)  # what it serves now, as the gate judges its requests
     return None
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import anyio
@@ -36,6 +36,7 @@ class Target:
     checked_at: float = field(default=-1e9)
     served: tuple[str, ...] = ()  # model ids its /v1/models listed, when last read
     engine: str | None = None  # the engine its /v1/models named (owned_by), if one
+    listed: bool = False  # ``served`` and ``engine`` come from a model list it answered
 
     def mark(self, healthy: bool) -> None:
         if healthy != self.healthy:
@@ -98,6 +99,9 @@ class Upstreams:
             self._route(DEFAULT_ROUTE, [UpstreamTarget(url=default)]) if default else None
         )
         self.by_rule: dict[str, UpstreamRoute] = {}
+        # Called by the health watch for a target that answers again, or answers and
+        # never listed its models (down at start): the catalog reads its list then.
+        self.on_answering: Callable[[Target], Awaitable[None]] | None = None
 
     def _target(self, url: str) -> Target:
         if url not in self.targets:
@@ -147,6 +151,7 @@ class Upstreams:
                 group.start_soon(self._probe_one, target)
 
     async def _probe_one(self, target: Target) -> None:
+        was_healthy = target.healthy
         try:
             response = await target.proxy.get(self.health_path, PROBE_TIMEOUT_S)
             healthy = response.status_code < 500
@@ -154,6 +159,8 @@ class Upstreams:
             healthy = False
         target.checked_at = time.monotonic()
         target.mark(healthy)
+        if healthy and (not was_healthy or not target.listed) and self.on_answering:
+            await self.on_answering(target)
 
     async def watch(self, interval_s: float) -> None:
         while True:

@@ -4,21 +4,26 @@ upstream, a closed port, a server that never answers, and servers that answer wr
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from collections.abc import Iterator
 
 import anyio
 import httpx
 import orjson
 import pytest
+import uvicorn
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from conftest import free_port, serve
 from gateway_proc import GatewayProcess
+from modalgate.gateway.service.catalog import ModelCatalog
 from modalgate.gateway.service.health import Readiness
-from modalgate.gateway.upstream.balancer import Upstreams
+from modalgate.gateway.upstream.balancer import Target, Upstreams
 from modalgate.gateway.upstream.proxy import UpstreamSettings
+from modalgate.policy import RuleMatcher, parse_policy
 from modalgate.policy.models import ModelRule, UpstreamTarget
 from toy_upstream import ToyUpstream
 
@@ -164,3 +169,42 @@ def test_a_reload_while_the_probes_run_is_answered_not_a_500(toy):
     assert status == 200  # as it stood when the poll began: the default route, ready
     assert body["checks"] == {"policy": True, "upstream": True, "encoders": True}
     assert body["upstreams"] == {base: {"ready": True}}
+
+
+def test_the_health_watch_reads_the_model_list_of_an_upstream_back_up():
+    # Down at start, nothing read; the watch's first probe that finds it answering reads
+    # its /v1/models, so the gate knows what it serves without a readiness poll.
+    port = free_port()
+    toy = ToyUpstream(name="kimi-k3", owned_by="vllm")
+    server = uvicorn.Server(uvicorn.Config(toy.app(), port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    states = []
+
+    async def down_then_up() -> Target:
+        upstreams = Upstreams(f"http://127.0.0.1:{port}", UpstreamSettings(), "/health")
+        policy = parse_policy("extends: builtin\n", fmt="yaml")
+        ModelCatalog(lambda: RuleMatcher(policy), upstreams)
+        (target,) = upstreams.targets.values()
+        try:
+            await upstreams.probe()
+            states.append((target.healthy, target.listed, target.engine))
+            thread.start()
+            deadline = time.monotonic() + 10
+            while not server.started:
+                assert thread.is_alive() and time.monotonic() < deadline
+                await anyio.sleep(0.01)
+            await upstreams.probe()
+            return target
+        finally:
+            await upstreams.aclose()
+
+    try:
+        target = anyio.run(down_then_up)
+    finally:
+        server.should_exit = True
+        if thread.is_alive():
+            thread.join(10)
+    assert states == [(False, False, None)]
+    assert (target.healthy, target.listed, target.engine) == (True, True, "vllm")
+    assert target.served == ("kimi-k3",)
+    assert [r.path for r in toy.received] == ["/v1/models"]  # (the toy records no /health)
