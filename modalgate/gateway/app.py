@@ -284,8 +284,8 @@ class Gateway:
         self.readiness.encoders_warm = True
         if self.upstreams.configured:
             # Know what the upstreams serve before the first request is judged (each list
-            # read is bounded by MODEL_LIST_TIMEOUT_S). One down now is read again on the
-            # next reload or GET /v1/models; until then requests are judged by name.
+            # read is bounded by MODEL_LIST_TIMEOUT_S). One down now is read when the health
+            # watch or a readiness probe finds it answering; until then, judged by name.
             await self.catalog.refresh()
         try:
             async with anyio.create_task_group() as group:
