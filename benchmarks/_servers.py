@@ -28,6 +28,29 @@ VIDEO_REQUEST = {
 }
 
 
+def scope_for(body: bytes) -> dict[str, Any]:
+    """What uvicorn hands an app for ``POST /v1/chat/completions`` from a wrk-like client."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": PATH,
+        "raw_path": PATH.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"host", b"127.0.0.1:8000"),
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(body)),
+        ],
+        "server": ("127.0.0.1", 8000),
+        "client": ("127.0.0.1", 50000),
+        "state": {},
+    }
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -33,7 +33,15 @@ import time
 from pathlib import Path
 
 from _common import machine_line, result_line, spread, table
-from _servers import PATH, ServerProcess, check_gate_in_path, free_port, pin, uvicorn_command
+from _servers import (
+    PATH,
+    ServerProcess,
+    check_gate_in_path,
+    free_port,
+    pin,
+    scope_for,
+    uvicorn_command,
+)
 
 NAME = "p1_middleware_overhead"
 TARGET = 0.90
@@ -185,24 +193,7 @@ def in_process_costs(repeats: int) -> dict[str, float]:
     from modalgate.validators import validate_body
 
     body = REQUEST_BODY.encode()
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": PATH,
-        "raw_path": PATH.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [
-            (b"host", b"127.0.0.1:8000"),
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ],
-        "server": ("127.0.0.1", 8000),
-        "client": ("127.0.0.1", 50000),
-    }
+    scope = scope_for(body)
 
     async def receive() -> dict:
         return {"type": "http.request", "body": body, "more_body": False}

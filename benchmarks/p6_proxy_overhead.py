@@ -162,7 +162,10 @@ def start_upstream(service_ms: float, cpu: int | None) -> ServerProcess:
     return ServerProcess(f"upstream ({service_ms:g} ms)", command, port, env)
 
 
-def start_gateway(upstream: ServerProcess, cpu: int | None) -> ServerProcess:
+def start_gateway(
+    upstream: ServerProcess, cpu: int | None, *extra: str, name: str | None = None
+) -> ServerProcess:
+    """``modalgate serve`` in front of ``upstream``; ``extra`` flags go on its command line."""
     port = free_port()
     command = [
         *pin(cpu),
@@ -177,8 +180,9 @@ def start_gateway(upstream: ServerProcess, cpu: int | None) -> ServerProcess:
         "--log-level",
         "warning",
         "--no-access-log",
+        *extra,
     ]
-    return ServerProcess(f"gateway -> {upstream.name}", command, port, _clean_env())
+    return ServerProcess(name or f"gateway -> {upstream.name}", command, port, _clean_env())
 
 
 @contextlib.contextmanager

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import machine_line, result_line, spread, table
-from _servers import PATH, VIDEO_REQUEST
+from _servers import PATH, VIDEO_REQUEST, scope_for
 from p1_middleware_overhead import REQUEST_BODY
 
 NAME = "p9_gate_cost"
@@ -62,29 +62,6 @@ START = {
 FINISH = {"type": "http.response.body", "body": ANSWER, "more_body": False}
 
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
-
-
-def scope_for(body: bytes) -> dict[str, Any]:
-    """What uvicorn hands an app for ``POST /v1/chat/completions`` from a wrk-like client."""
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.4"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": PATH,
-        "raw_path": PATH.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [
-            (b"host", b"127.0.0.1:8000"),
-            (b"content-type", b"application/json"),
-            (b"content-length", b"%d" % len(body)),
-        ],
-        "server": ("127.0.0.1", 8000),
-        "client": ("127.0.0.1", 50000),
-        "state": {},
-    }
 
 
 async def raw_app(scope: dict[str, Any], receive: Any, send: Any) -> None:

@@ -27,17 +27,17 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+import p6_proxy_overhead as p6
 from _common import machine_line, result_line, spread, table
 from _peers import tree_cpu_seconds
-from _servers import PATH, ServerProcess, check_gate_in_path, free_port
+from _servers import PATH, ServerProcess, check_gate_in_path
 from p1_middleware_overhead import REQUEST_BODY, WRK_LUA
-from p6_proxy_overhead import _clean_env, run_wrk, start_upstream, stopping
+from p6_proxy_overhead import run_wrk, start_upstream, stopping
 
 NAME = "w1_workers"
 TARGET = 1.3  # two workers must put the second core to use
@@ -46,23 +46,8 @@ STARTUP_S = 120.0  # three interpreters start for the 2-worker gateway
 
 
 def start_gateway(upstream: ServerProcess, workers: int) -> ServerProcess:
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "modalgate.gateway.cli",
-        "serve",
-        "--upstream",
-        f"http://127.0.0.1:{upstream.port}",
-        "--port",
-        str(port),
-        "--workers",
-        str(workers),
-        "--log-level",
-        "warning",
-        "--no-access-log",
-    ]
-    return ServerProcess(f"gateway, {workers} worker(s)", command, port, _clean_env())
+    name = f"gateway, {workers} worker(s)"
+    return p6.start_gateway(upstream, None, "--workers", str(workers), name=name)
 
 
 def wait_serving(gateway: ServerProcess) -> None:
