@@ -37,12 +37,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from modalgate.encoder_adapter.kimi.checkpoint import preprocessor_settings
@@ -57,6 +56,7 @@ from modalgate.encoder_adapter.towers.vision_tower import (
     LoadedTower,
     check_state,
     materialise_buffers,
+    read_state,
     tensor_files,
 )
 
@@ -194,32 +194,12 @@ class TransformersVisionEncoder(LoadedTower):
         config = self._config.vision_config if is_full else self._config
         num_heads = int(config.num_attention_heads)
 
-        by_file: dict[Path, list[str]] = defaultdict(list)
-        for key in wanted:
-            by_file[files[key]].append(key)
+        def rename(key: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+            component, rest = wanted[key]
+            for name, value in renamed(component, rest, tensor, original_layout, num_heads):
+                yield f"{component}.{name}", value
 
-        state: dict[str, torch.Tensor] = {}
-        unexpected: list[str] = []
-        for shard, keys in sorted(by_file.items()):
-            try:
-                with safe_open(str(shard), framework="pt", device="cpu") as reader:
-                    for key in sorted(keys):
-                        component, rest = wanted[key]
-                        tensor = reader.get_tensor(key)
-                        for name, value in renamed(
-                            component, rest, tensor, original_layout, num_heads
-                        ):
-                            name_in_module = f"{component}.{name}"
-                            if name_in_module in expected:
-                                # Cast and move one tensor at a time: no second full copy.
-                                state[name_in_module] = value.to(
-                                    device=self._device,
-                                    dtype=self._dtype if value.is_floating_point() else None,
-                                )
-                            else:
-                                unexpected.append(key)
-            except (OSError, SafetensorError) as exc:
-                raise EncoderLoadError(f"{shard}: cannot read safetensors weights") from exc
+        state, unexpected = read_state(files, wanted, rename, expected, self._device, self._dtype)
 
         check_state(self._path, state, expected, unexpected)
         module.load_state_dict(state, strict=True, assign=True)

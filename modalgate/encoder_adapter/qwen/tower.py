@@ -18,13 +18,11 @@ from __future__ import annotations
 import importlib
 import json
 import os
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from modalgate.encoder_adapter.towers.vision_tower import (
@@ -32,6 +30,7 @@ from modalgate.encoder_adapter.towers.vision_tower import (
     LoadedTower,
     check_state,
     materialise_buffers,
+    read_state,
     tensor_files,
 )
 
@@ -153,26 +152,14 @@ class QwenVisionEncoder(LoadedTower):
         expected = module.state_dict()
         files = tensor_files(self._path)
         wanted = {key: name for key in files if (name := self._module_name(key)) is not None}
-        by_file: dict[Path, list[str]] = defaultdict(list)
-        for key in wanted:
-            by_file[files[key]].append(key)
-        state: dict[str, torch.Tensor] = {}
-        unexpected: list[str] = []
-        for shard, keys in sorted(by_file.items()):
-            try:
-                with safe_open(str(shard), framework="pt", device="cpu") as reader:
-                    for key in sorted(keys):
-                        name = wanted[key]
-                        if name not in expected:
-                            unexpected.append(key)
-                            continue
-                        tensor = reader.get_tensor(key)
-                        state[name] = tensor.to(  # one tensor at a time: no second full copy
-                            device=self._device,
-                            dtype=self._dtype if tensor.is_floating_point() else None,
-                        )
-            except (OSError, SafetensorError) as exc:
-                raise EncoderLoadError(f"{shard}: cannot read safetensors weights") from exc
+        state, unexpected = read_state(
+            files,
+            wanted,
+            lambda key, tensor: ((wanted[key], tensor),),
+            expected,
+            self._device,
+            self._dtype,
+        )
         check_state(self._path, state, expected, unexpected)
         module.load_state_dict(state, strict=True, assign=True)
         materialise_buffers(module, self._device)

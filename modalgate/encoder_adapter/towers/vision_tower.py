@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -140,6 +141,41 @@ def tensor_files(path: Path) -> dict[str, Path]:
         except (OSError, SafetensorError) as exc:
             raise EncoderLoadError(f"{shard}: cannot read safetensors weights") from exc
     return files
+
+
+def read_state(
+    files: Mapping[str, Path],
+    wanted: Iterable[str],
+    rename: Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]],
+    expected: Mapping[str, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The wanted checkpoint tensors under the module's names, and the keys that fit none.
+
+    Each shard is opened once, and each tensor is cast and moved as it is read, so the
+    checkpoint never sits in memory twice. ``rename`` maps one checkpoint tensor to the
+    module tensor(s) it becomes (a fused tensor may become several).
+    """
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for key in wanted:
+        by_file[files[key]].append(key)
+    state: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for shard, keys in sorted(by_file.items()):
+        try:
+            with safe_open(str(shard), framework="pt", device="cpu") as reader:
+                for key in sorted(keys):
+                    for name, value in rename(key, reader.get_tensor(key)):
+                        if name not in expected:
+                            unexpected.append(key)
+                            continue
+                        state[name] = value.to(
+                            device=device, dtype=dtype if value.is_floating_point() else None
+                        )
+        except (OSError, SafetensorError) as exc:
+            raise EncoderLoadError(f"{shard}: cannot read safetensors weights") from exc
+    return state, unexpected
 
 
 def check_state(

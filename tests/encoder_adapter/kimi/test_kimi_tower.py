@@ -34,7 +34,6 @@ from kimi_tiny import (
     save_full_checkpoint,
     vision_config,
 )
-from modalgate.encoder_adapter.kimi import tower as kimi_tower
 from modalgate.encoder_adapter.kimi.tower import TransformersVisionEncoder
 from modalgate.encoder_adapter.towers import vision_tower
 from modalgate.encoder_adapter.towers.vision_tower import EncoderLoadError
@@ -96,7 +95,6 @@ class _Reader:
 @pytest.fixture
 def reads(monkeypatch) -> Iterator[Reads]:
     recorder = Reads()
-    monkeypatch.setattr(kimi_tower, "safe_open", recorder)
     monkeypatch.setattr(vision_tower, "safe_open", recorder)
     yield recorder
 
