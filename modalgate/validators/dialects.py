@@ -57,7 +57,7 @@ KEY_ORDER = (
     "video_url",
     "tool_reference",
 )
-_DETAILS = ("auto", "low", "high", "original")  # openai's ImageURL.detail
+OPENAI_DETAILS = ("auto", "low", "high", "original")  # openai's ImageURL.detail
 
 
 def _frozen(mapping: Mapping[str, object]) -> Mapping[str, object]:
@@ -174,7 +174,7 @@ def _vllm(spec: EngineSpec) -> Dialect:
         empty_user_content=True,
         uuid="by_key",
         ignores_other_keys=True,
-        image_details=frozenset(_DETAILS),
+        image_details=frozenset(OPENAI_DETAILS),
         bare_string_parts=False,
         mixes_raw_and_embeds=False,
     )

@@ -62,20 +62,8 @@ PART_KINDS: dict[str, PartKind] = {
     "image_pil": PartKind("image", "image_pil", "never"),
 }
 
-MEDIA_KEYS = frozenset(
-    {
-        "image_url",
-        "image_pil",
-        "image_embeds",
-        "audio_embeds",
-        "video_embeds",
-        "prompt_embeds",
-        "audio_url",
-        "input_audio",
-        "video_url",
-        "file",
-    }
-)
+# Every payload key an engine reads a part by, bar the text one, and the file key.
+MEDIA_KEYS = (frozenset(KEY_ORDER) - {"tool_reference"}) | {"file"}
 
 
 _BOTH_FORMS: frozenset[PayloadForm] = frozenset({"object", "string"})

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
+from modalgate.validators.dialects import OPENAI_DETAILS
+
 # What a field holds: a JSON shape, checked as pydantic checks the typed dict.
 FieldShape = Literal[
     "str",
@@ -98,7 +100,6 @@ OPENAI_MESSAGE_PARTS: Mapping[str, tuple[Member, ...]] = MappingProxyType(
         "assistant": (OPENAI_TEXT, OPENAI_REFUSAL),
     }
 )
-_DETAILS = ("auto", "low", "high", "original")  # openai.types ImageURL.detail
 
 
 def _shape_ok(value: object, shape: FieldShape) -> bool:
@@ -113,7 +114,7 @@ def _shape_ok(value: object, shape: FieldShape) -> bool:
     if shape in ("url_object", "image_url_object"):
         if not isinstance(value, dict) or not isinstance(value.get("url"), str):
             return False
-        return shape == "url_object" or value.get("detail", "auto") in _DETAILS
+        return shape == "url_object" or value.get("detail", "auto") in OPENAI_DETAILS
     if shape == "audio_object":
         return (
             isinstance(value, dict)
