@@ -186,6 +186,9 @@ def config_yaml(config: PoolConfig, app: str = DEFAULT_APP) -> dict[str, Any]:
     }
 
 
+_PICKLE_RACE_ATTEMPTS = 3
+
+
 def deploy(config: PoolConfig, app: str = DEFAULT_APP, wait: bool = True) -> None:
     """Deploy (or update in place) the pool on the cluster this process is connected to.
 
@@ -195,5 +198,16 @@ def deploy(config: PoolConfig, app: str = DEFAULT_APP, wait: bool = True) -> Non
     from ray import serve
 
     serve.start(proxy_location="Disabled")
-    target = serve.RunTarget(target=build_app(config), name=app, route_prefix=None)
-    serve.run_many([target], wait_for_applications_running=wait)
+    for attempt in range(_PICKLE_RACE_ATTEMPTS):
+        try:
+            target = serve.RunTarget(target=build_app(config), name=app, route_prefix=None)
+            serve.run_many([target], wait_for_applications_running=wait)
+            return
+        except ValueError as exc:
+            # Serve registers and unregisters modules for cloudpickle on a process-wide
+            # registry without a lock; a handle's thread doing the same in this process
+            # can unregister ours first. Raised while pickling, before anything is sent.
+            if "registered for pickle by value" not in str(exc) or (
+                attempt == _PICKLE_RACE_ATTEMPTS - 1
+            ):
+                raise

@@ -245,6 +245,32 @@ def test_no_running_replica_is_503_with_retry_after(pool):
         serve.delete("mg-no-gpu", _blocking=False)  # blocking waits out a 20 s grace period
 
 
+def test_deploy_outlasts_serves_pickle_registry_race(pool, monkeypatch):
+    """Serve registers and unregisters modules on cloudpickle's process-wide registry
+    without a lock, so a handle's thread in this process can make a deploy's own
+    unregister fail (seen once in CI). That error, made by cloudpickle itself, on the
+    first try: deploy tries again and the pool is placed."""
+    from ray import cloudpickle, serve
+
+    real_run_many = serve.run_many
+    calls = []
+
+    def run_many_losing_the_race_once(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            cloudpickle.unregister_pickle_by_value(sys.modules[__name__])  # never registered
+        return real_run_many(*args, **kwargs)
+
+    monkeypatch.setattr(serve, "run_many", run_many_losing_the_race_once)
+    config = PoolConfig(f"kimi:{pool.checkpoint}", num_gpus=1)
+    try:
+        deploy(config, "mg-race", wait=False)
+        assert len(calls) == 2
+        assert "mg-race" in serve.status().applications
+    finally:
+        serve.delete("mg-race", _blocking=False)
+
+
 def test_an_unknown_app_is_refused_at_startup(pool):
     with pytest.raises(LookupError, match="no Ray Serve application 'mg-missing'"):
         create_encoder("ray:mg-missing")
