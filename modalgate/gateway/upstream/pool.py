@@ -1,148 +1,77 @@
-"""The proxy's connection pool to one upstream: aiohttp's client behind httpx's transport protocol.
+"""The proxy's connection pool to one upstream: our own HTTP/1.1 client behind httpx's
+transport protocol.
 
-Why aiohttp and not httpcore: the gateway speaks HTTP twice per request, so the
-client's cost per request is most of the proxy's. A minimal ASGI proxy under
-uvicorn spent 1.09 ms of CPU per request on httpcore's HTTP/1.1 connections (h11,
-a pure-Python parser; headers and body in separate writes) and 0.52 ms on
-aiohttp's (llhttp, a C parser; headers and first body chunk in one write), with
-the same upstream and load (benchmarks/p6_proxy_overhead.py measures the whole
-gateway). The OpenAI SDK makes the same pairing for high-concurrency clients
-(httpx's interface on an aiohttp transport). The pool keeps httpx's transport
-protocol and exceptions, so health probes and model lists use it like any httpx
-transport, and the proxy maps one family of errors.
+Why our own client: the gateway speaks HTTP twice per request, so the client's cost
+per request is most of the proxy's. httpcore's HTTP/1.1 (h11, a pure-Python parser;
+headers and body in separate writes) cost 1.09 ms of CPU per request in a minimal
+ASGI proxy, aiohttp's 0.52 ms; and with aiohttp, a profile of ``modalgate serve``
+still put ~34% of the gateway's CPU for a small text request in its client
+(ClientSession.request, ClientResponse, the connector, timers, tracing, yarl URLs,
+CIMultiDict headers). A proxy needs none of that: a connection (http1.py: an asyncio
+Protocol around httptools' parser, llhttp, the C parser uvicorn uses) and this pool.
+FIGURES. The pool keeps httpx's transport protocol and exceptions, so health probes
+and model lists use it like any httpx transport, and the proxy maps one family of
+errors.
 
-aiohttp needs an asyncio event loop: uvicorn (the default), hypercorn's asyncio and
-uvloop workers and granian all run one; under trio the pool refuses to start.
+It needs an asyncio event loop: uvicorn (the default), hypercorn's asyncio and uvloop
+workers and granian all run one; under trio the pool refuses to start.
 
-What a proxy must not do, and aiohttp would by default: keep cookies from one
-user's response for the next user's request, follow redirects, decompress
+What a proxy must not do, and general-purpose clients do by default: keep cookies
+from one user's response for the next user's request, follow redirects, decompress
 bodies, read proxy settings from the environment, add Accept, Accept-Encoding,
-User-Agent or Content-Type headers the client never sent. All switched off.
+User-Agent or Content-Type headers the client never sent. This client has none of it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import ssl
-from collections.abc import AsyncIterable, AsyncIterator, Iterator
+from collections.abc import AsyncIterable, AsyncIterator
 
-import aiohttp
-import aiohttp.abc
-import aiohttp.payload
 import anyio
 import httpx
-import yarl
+
+from modalgate.gateway.upstream.http1 import Connection, connect, encode_head
 
 # Under the usual 5 s keep-alive of uvicorn (vLLM, SGLang): we drop first.
 KEEPALIVE_EXPIRY_S = 4.0
-_TARGET_CACHE_SIZE = 1024
 
-_NOT_SENT = (
-    aiohttp.hdrs.ACCEPT,
-    aiohttp.hdrs.ACCEPT_ENCODING,
-    aiohttp.hdrs.USER_AGENT,
-    aiohttp.hdrs.CONTENT_TYPE,
-)
-
-# aiohttp's exceptions as httpx's, most specific first.
-_ERRORS: tuple[tuple[type[BaseException], type[httpx.TransportError]], ...] = (
-    (aiohttp.ConnectionTimeoutError, httpx.ConnectTimeout),
-    (aiohttp.SocketTimeoutError, httpx.ReadTimeout),
-    (aiohttp.ServerTimeoutError, httpx.TimeoutException),
-    (aiohttp.ClientConnectorError, httpx.ConnectError),
-    (aiohttp.ServerDisconnectedError, httpx.RemoteProtocolError),
-    (aiohttp.ClientPayloadError, httpx.RemoteProtocolError),
-    (aiohttp.ClientResponseError, httpx.RemoteProtocolError),  # not HTTP, or malformed
-    (aiohttp.ClientConnectionResetError, httpx.ReadError),
-    (aiohttp.ClientError, httpx.NetworkError),
-    (asyncio.TimeoutError, httpx.TimeoutException),
-)
-
-
-@contextlib.contextmanager
-def _httpx_errors() -> Iterator[None]:
-    try:
-        yield
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        target = next(t for source, t in _ERRORS if isinstance(exc, source))
-        raise target(type(exc).__name__) from exc
-
-
-@functools.lru_cache(maxsize=32)
-def _client_timeout(connect: float | None, read: float | None) -> aiohttp.ClientTimeout:
-    # httpx's read timeout is between two reads, like aiohttp's sock_read, which starts
-    # once the request body is out; the write timeout is _TimedBody's.
-    return aiohttp.ClientTimeout(total=None, connect=None, sock_connect=connect, sock_read=read)
-
-
-class _TimedBody(aiohttp.payload.AsyncIterablePayload):
-    """A streamed request body whose every chunk the upstream must take within a time.
-
-    aiohttp has no write timeout, and its read timeout starts only once the body
-    is out, so an upstream that stops reading (a wedged server whose kernel still
-    accepts connections) would hold an upload forever. Past the time the
-    connection is aborted (a graceful close would wait for the unsent bytes), which
-    fails the pending response; ``stalled`` tells the pool why.
-    """
-
-    def __init__(self, content: AsyncIterable[bytes], timeout_s: float) -> None:
-        super().__init__(content)
-        self._timeout_s = timeout_s
-        self.stalled = False
-
-    async def write(self, writer: aiohttp.abc.AbstractStreamWriter) -> None:
-        await self.write_with_length(writer, None)
-
-    async def write_with_length(
-        self, writer: aiohttp.abc.AbstractStreamWriter, content_length: int | None
-    ) -> None:
-        # The writer clips to the declared Content-Length itself.
-        loop = asyncio.get_running_loop()
-
-        def stall() -> None:
-            self.stalled = True
-            transport = writer.transport
-            if transport is not None:
-                transport.abort()
-
-        assert self._iter is not None
-        async for chunk in self._iter:
-            timer = loop.call_later(self._timeout_s, stall)
-            try:
-                await writer.write(chunk)  # waits while more than 64 KiB are unsent
-            finally:
-                timer.cancel()
+# A request that failed on a reused connection before any response byte: the peer
+# closed it as we sent (its keep-alive ran out), so the request never reached it.
+_STALE = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 class UpstreamResponse:
     """Status, raw headers and body of one upstream response; ``aclose`` gives the
     connection back (kept only when the body was read to its end)."""
 
-    __slots__ = ("_closed", "_pool", "_response", "headers", "status")
+    __slots__ = ("_conn", "_pool", "_read_timeout", "headers", "status")
 
-    def __init__(self, pool: UpstreamPool, response: aiohttp.ClientResponse) -> None:
-        self.status = response.status
-        self.headers: list[tuple[bytes, bytes]] = list(response.raw_headers)
-        self._response = response
+    def __init__(self, pool: UpstreamPool, conn: Connection, read_timeout: float | None) -> None:
+        self.status = conn.status
+        self.headers: list[tuple[bytes, bytes]] = conn.headers
+        self._conn: Connection | None = conn
         self._pool = pool
-        self._closed = False
+        self._read_timeout = read_timeout
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives, de-chunked, not decompressed."""
-        with _httpx_errors():
-            async for chunk in self._response.content.iter_any():
+        conn = self._conn
+        if conn is None:
+            return
+        while True:
+            chunk = conn.take()
+            if chunk is None:
+                await conn.wait_body(self._read_timeout)
+            elif chunk:
                 yield chunk
+            else:
+                return
 
     async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._response.release()  # reused if complete, closed otherwise
-        finally:
-            self._pool.release_slot()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            self._pool.release(conn)
 
 
 class UpstreamPool(httpx.AsyncBaseTransport):
@@ -152,55 +81,16 @@ class UpstreamPool(httpx.AsyncBaseTransport):
         max_connections: int,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        self._scheme = base_url.scheme
-        # host[:port] as it goes on the wire: IPv6 in brackets, IDNA names encoded.
-        self._authority = yarl.URL(str(base_url)).raw_authority
+        self._host = base_url.raw_host.decode("ascii")  # IDNA-encoded; IPv6 without brackets
+        self._port = base_url.port or (443 if base_url.scheme == "https" else 80)
         self.ssl_context = ssl_context or (
             httpx.create_ssl_context() if base_url.scheme == "https" else None
         )
-        # Our own bound (aiohttp's connector is unbounded): waiting here is a pool
-        # timeout, told apart from a connect timeout.
+        # The bound on connections: waiting here is a pool timeout, told apart from a
+        # connect timeout. A slot is held from the request to the response's aclose.
         self._slots = anyio.Semaphore(max_connections, fast_acquire=True)
-        self._session: aiohttp.ClientSession | None = None
-        self._urls: dict[bytes, yarl.URL] = {}
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            try:
-                asyncio.get_running_loop()
-            except RuntimeError:
-                raise RuntimeError("the upstream client (aiohttp) needs asyncio") from None
-            connector = aiohttp.TCPConnector(
-                limit=0,
-                keepalive_timeout=KEEPALIVE_EXPIRY_S,
-                ssl=self.ssl_context if self.ssl_context is not None else True,
-            )
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                cookie_jar=aiohttp.DummyCookieJar(),
-                auto_decompress=False,
-                skip_auto_headers=_NOT_SENT,
-                trust_env=False,
-                timeout=_client_timeout(None, None),
-            )
-        return self._session
-
-    def _url(self, target: bytes) -> yarl.URL:
-        """The URL of a raw request target, kept as the client sent it (no re-quoting)."""
-        url = self._urls.get(target)
-        if url is None:
-            path, _, query = target.decode("latin-1").partition("?")
-            url = yarl.URL.build(
-                scheme=self._scheme,
-                authority=self._authority,
-                path=path,
-                query_string=query,
-                encoded=True,
-            )
-            if len(self._urls) >= _TARGET_CACHE_SIZE:
-                self._urls.clear()
-            self._urls[target] = url
-        return url
+        self._idle: list[Connection] = []  # most recently used last
+        self._closed = False
 
     async def request(
         self,
@@ -212,10 +102,9 @@ class UpstreamPool(httpx.AsyncBaseTransport):
     ) -> UpstreamResponse:
         """The proxy's hot path, without building httpx's request and response objects.
 
-        ``headers`` carry Host; the body's framing is aiohttp's: the client's
-        Content-Length if there is one, chunked for a stream of unknown length.
-        Header values travel as UTF-8 (aiohttp writes str headers): a value that
-        is not valid UTF-8 has its invalid bytes replaced.
+        ``headers`` carry Host and go out byte for byte; the body's framing is the
+        client's Content-Length if there is one (a stream clipped to it), else
+        Content-Length for bytes and chunked for a stream.
         """
         try:
             self._slots.acquire_nowait()  # the common case: no cancel scope to set up
@@ -225,28 +114,85 @@ class UpstreamPool(httpx.AsyncBaseTransport):
                     await self._slots.acquire()
             except TimeoutError:
                 raise httpx.PoolTimeout("no connection to the upstream became free") from None
-        body = content
-        if content is not None and not isinstance(content, bytes) and timeouts.get("write"):
-            body = _TimedBody(content, timeouts["write"])  # type: ignore[arg-type]
         try:
-            with _httpx_errors():
-                response = await self._client().request(
-                    method.decode("ascii"),
-                    self._url(target),
-                    headers=[
-                        (name.decode("latin-1"), value.decode("utf-8", "replace"))
-                        for name, value in headers
-                    ],
-                    data=body,
-                    allow_redirects=False,
-                    timeout=_client_timeout(timeouts.get("connect"), timeouts.get("read")),
-                )
-        except BaseException as exc:
+            head, length, chunked = encode_head(method, target, headers, content)
+            conn = self._take_idle()
+            if conn is not None:
+                try:
+                    await self._exchange(conn, method, head, content, length, chunked, timeouts)
+                    return UpstreamResponse(self, conn, timeouts.get("read"))
+                except _STALE:
+                    conn.close()
+                    if conn.received or not (content is None or isinstance(content, bytes)):
+                        raise
+                except BaseException:
+                    conn.close()
+                    raise
+            conn = await connect(
+                _loop(), self._host, self._port, self.ssl_context, timeouts.get("connect")
+            )
+            try:
+                await self._exchange(conn, method, head, content, length, chunked, timeouts)
+            except BaseException:
+                conn.close()
+                raise
+            return UpstreamResponse(self, conn, timeouts.get("read"))
+        except BaseException:
             self._slots.release()
-            if isinstance(body, _TimedBody) and body.stalled:
-                raise httpx.WriteTimeout("the upstream stopped reading the request body") from exc
             raise
-        return UpstreamResponse(self, response)
+
+    @staticmethod
+    async def _exchange(
+        conn: Connection,
+        method: bytes,
+        head: bytes,
+        content: bytes | AsyncIterable[bytes] | None,
+        length: int | None,
+        chunked: bool,
+        timeouts: dict[str, float | None],
+    ) -> None:
+        """Send the request on ``conn`` and read the response's head."""
+        conn.start(head_only=method == b"HEAD")
+        if content is None:
+            conn.write(head)
+        elif isinstance(content, bytes):
+            if chunked:  # the caller said Transfer-Encoding itself
+                content = (
+                    b"%x\r\n%b\r\n0\r\n\r\n" % (len(content), content) if content else b"0\r\n\r\n"
+                )
+            conn.write(head + content)  # one write: the body rides with the headers
+        else:
+            conn.write(head)
+            await conn.send_stream(content, length, chunked, timeouts.get("write"))
+        await conn.read_head(timeouts.get("read"))
+
+    def _take_idle(self) -> Connection | None:
+        """The most recently used idle connection still open and fresh, if any."""
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
+            if not conn.open:
+                continue  # the peer closed it while idle
+            if _loop().time() - conn.idle_since > KEEPALIVE_EXPIRY_S:
+                # The freshest is stale, so all are: the upstream may be closing them now.
+                conn.close()
+                for older in idle:
+                    older.close()
+                idle.clear()
+                return None
+            return conn
+        return None
+
+    def release(self, conn: Connection) -> None:
+        """The response is closed: its connection back to the pool if reusable, and its slot."""
+        try:
+            if conn.finish() and not self._closed:
+                conn.idle_since = _loop().time()
+                self._idle.append(conn)
+            else:
+                conn.close()
+        finally:
+            self._slots.release()
 
     def release_slot(self) -> None:
         self._slots.release()
@@ -269,10 +215,17 @@ class UpstreamPool(httpx.AsyncBaseTransport):
         )
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            session, self._session = self._session, None
-            with anyio.CancelScope(shield=True):
-                await session.close()
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+def _loop() -> asyncio.AbstractEventLoop:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        raise RuntimeError("the upstream client needs an asyncio event loop") from None
 
 
 class _HttpxStream(httpx.AsyncByteStream):

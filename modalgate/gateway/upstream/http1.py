@@ -1,0 +1,358 @@
+"""One HTTP/1.1 client connection: an asyncio Protocol around httptools' response parser.
+
+The pool (pool.py) owns the policy: which connection, when to retry, when to keep
+one. This module owns the wire: the request head and body as written, the response
+as llhttp parses it, timeouts between two reads and per body chunk written, and
+backpressure both ways (asyncio's flow control out, ``pause_reading`` in). Every
+failure leaves here as an httpx exception, the family the proxy maps to 502/504.
+
+One coroutine at a time drives a connection (the request's task, then whoever
+reads the body), so one waiter future serves reads and drains alike: every event
+(data, end of file, writable again) wakes it and the loop re-checks its condition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+from collections import deque
+from collections.abc import AsyncIterable
+
+import httptools
+import httpx
+
+# Unread response bytes past which the socket stops being read; reading resumes below
+# the low mark, so a slow client slows the upstream instead of filling our memory.
+READ_HIGH_WATER = 64 * 1024
+READ_LOW_WATER = 16 * 1024
+_LAST_CHUNK = b"0\r\n\r\n"
+
+
+class _HeadOnly(Exception):
+    """Raised from the parser's callback to end a HEAD response at its headers
+    (llhttp, through httptools, cannot be told that no body follows)."""
+
+
+def encode_head(
+    method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: object
+) -> tuple[bytes, int | None, bool]:
+    """The request head, the caller's Content-Length (None if absent), and whether the
+    body goes chunked. Adds a framing header only: Content-Length for bytes without
+    one, Transfer-Encoding for a stream without one; nothing else the caller did not give.
+    """
+    lines = [method + b" " + target + b" HTTP/1.1"]
+    lines += [name + b": " + value for name, value in headers]
+    head = b"\r\n".join(lines)
+    # One pass each over the whole block: a CR, LF or NUL anywhere in a name, value or
+    # target shows as more line breaks than lines (request smuggling, header injection).
+    if head.count(b"\n") != len(headers) or head.count(b"\r") != len(headers) or b"\0" in head:
+        raise httpx.LocalProtocolError("CR, LF or NUL in the request line or a header")
+    lowered = head.lower()
+    length: int | None = None
+    at = lowered.find(b"\r\ncontent-length:")
+    if at >= 0:
+        end = lowered.find(b"\r\n", at + 2)
+        value = head[at + 17 : end if end >= 0 else len(head)].strip()
+        if not value.isdigit():
+            raise httpx.LocalProtocolError("the request's Content-Length is not a number")
+        length = int(value)
+    chunked = length is None and body is not None
+    if chunked and b"\r\ntransfer-encoding:" not in lowered:
+        if isinstance(body, bytes):
+            head += b"\r\ncontent-length: " + str(len(body)).encode()
+            chunked = False
+        else:
+            head += b"\r\ntransfer-encoding: chunked"
+    return head + b"\r\n\r\n", length, chunked
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive connection to the upstream, one exchange at a time."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._waiter: asyncio.Future[bool] | None = None
+        self._write_paused = False
+        self._reading_paused = False
+        self.open = True  # False once either side closed it: never used again
+        self.active = False  # in an exchange; bytes from the peer while idle are a fault
+        self.reused = False  # served an exchange before this one
+        self.idle_since = 0.0
+        self._reset(head_only=False)
+
+    def _reset(self, head_only: bool) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.head_done = False
+        self.complete = False  # the response was read to its end
+        self.keep_alive = False
+        self.received = False  # any response byte in this exchange (no retry after one)
+        self._head_only = head_only
+        self._informational = False
+        self._error: tuple[type[httpx.TransportError], str] | None = None
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+
+    # -- asyncio's callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # a small request head must not wait for Nagle
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.active or self.complete:
+            # Nothing was asked (a 408 before an idle close, a pipelined extra): unusable.
+            self.open = False
+            self._close()
+            return
+        self.received = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            if isinstance(exc.__context__, _HeadOnly):
+                self._end_message(keep_alive=False)  # the parser is spent: no reuse
+            else:
+                self._fail(httpx.RemoteProtocolError, f"malformed response: {exc}")
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if self.complete:  # bytes after the end of the response: keep it, drop the link
+                self.keep_alive = False
+            else:
+                self._fail(httpx.RemoteProtocolError, f"malformed response: {exc}")
+        self._wake()
+
+    def eof_received(self) -> bool | None:
+        self._lost(None)
+        return None  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost(exc)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._wake()
+
+    # -- httptools' callbacks
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status < 200:  # 100 Continue, 103 Early Hints: the real answer follows
+            self._informational = True
+            self.headers = []
+            return
+        self.status = status
+        self.head_done = True
+        if self._head_only:
+            raise _HeadOnly
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._buffered += len(body)
+        if self._buffered > READ_HIGH_WATER and not self._reading_paused:
+            self._reading_paused = True
+            self._transport.pause_reading()  # type: ignore[union-attr]
+
+    def on_message_complete(self) -> None:
+        if self._informational:
+            self._informational = False
+        else:
+            self._end_message(self._parser.should_keep_alive())
+
+    # -- the pool's side
+
+    def start(self, head_only: bool) -> None:
+        """Ready for a new exchange: fresh response state."""
+        if self.active or self.reused:
+            self._reset(head_only)
+        else:
+            self._head_only = head_only
+        self.active = True
+
+    def finish(self) -> bool:
+        """End the exchange; True if the connection may serve another."""
+        self.active = False
+        self.reused = True
+        if self.open and self.complete and self.keep_alive and not self._chunks:
+            return True
+        self.close()
+        return False
+
+    def close(self) -> None:
+        self.open = False
+        self._close()
+
+    def write(self, data: bytes) -> None:
+        self._transport.write(data)  # type: ignore[union-attr]
+
+    async def send_stream(
+        self,
+        content: AsyncIterable[bytes],
+        length: int | None,
+        chunked: bool,
+        timeout: float | None,
+    ) -> None:
+        """A streamed body, each chunk taken by the upstream within ``timeout``; clipped
+        to ``length`` when the caller declared one. Stops early (the connection is not
+        reused) if the upstream answers before the body is out, as servers may (413)."""
+        remaining = length
+        async for chunk in content:
+            if not self.open or self.head_done:
+                self.keep_alive = False
+                break
+            if remaining is not None:
+                chunk = chunk[:remaining]
+                remaining -= len(chunk)
+            if not chunk:
+                continue  # an empty chunk would end a chunked body
+            if chunked:
+                chunk = b"%x\r\n%b\r\n" % (len(chunk), chunk)
+            self.write(chunk)
+            while self._write_paused and self.open and not self.head_done:
+                if not await self._wait(timeout):
+                    self.abort()  # a graceful close would wait on the unsent bytes
+                    raise httpx.WriteTimeout("the upstream stopped reading the request body")
+        else:
+            if chunked and self.open:
+                self.write(_LAST_CHUNK)
+        if not self.open and not self.head_done:
+            self._raise()
+            raise httpx.WriteError("the upstream closed the connection during the upload")
+
+    async def read_head(self, timeout: float | None) -> None:
+        while not self.head_done:
+            self._raise()
+            if not self.open:
+                raise httpx.RemoteProtocolError("the upstream closed without a response")
+            if not await self._wait(timeout):
+                raise httpx.ReadTimeout("the upstream sent no response in time")
+
+    def take(self) -> bytes | None:
+        """The next body chunk, b"" at the end of the body, None if none is here yet."""
+        if self._chunks:
+            chunk = self._chunks.popleft()
+            self._buffered -= len(chunk)
+            if self._reading_paused and self._buffered <= READ_LOW_WATER:
+                self._reading_paused = False
+                if self.open:
+                    self._transport.resume_reading()  # type: ignore[union-attr]
+            return chunk
+        if self.complete:
+            return b""
+        self._raise()
+        if not self.open:
+            raise httpx.RemoteProtocolError("the upstream closed mid-response")
+        return None
+
+    async def wait_body(self, timeout: float | None) -> None:
+        if not await self._wait(timeout):
+            raise httpx.ReadTimeout("the upstream sent nothing more in time")
+
+    def abort(self) -> None:
+        self.open = False
+        if self._transport is not None:
+            self._transport.abort()
+
+    # -- inside
+
+    async def _wait(self, timeout: float | None) -> bool:
+        """Until the next event; False if ``timeout`` passed first."""
+        waiter = self._waiter = self._loop.create_future()
+        timer = None if timeout is None else self._loop.call_later(timeout, _expire, waiter)
+        try:
+            return await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(True)
+
+    def _end_message(self, keep_alive: bool) -> None:
+        self.complete = True
+        self.keep_alive = keep_alive
+
+    def _fail(self, error: type[httpx.TransportError], message: str) -> None:
+        if self._error is None:
+            self._error = (error, message)
+        self.abort()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, message = self._error
+            raise error(message)
+
+    def _lost(self, exc: Exception | None) -> None:
+        self.open = False
+        if self.active and not self.complete and self._error is None:
+            if self.head_done and not self._framed():
+                self._end_message(keep_alive=False)  # a body that ends when the link does
+            elif exc is not None:
+                self._error = (httpx.ReadError, f"the upstream connection failed: {exc!r}")
+            else:
+                where = "mid-response" if self.head_done else "without a response"
+                self._error = (httpx.RemoteProtocolError, f"the upstream closed {where}")
+        self._wake()
+
+    def _framed(self) -> bool:
+        """Whether the response declared its body's end (Content-Length or chunked)."""
+        for name, value in self.headers:
+            lowered = name.lower()
+            if lowered == b"content-length" or (
+                lowered == b"transfer-encoding" and b"chunked" in value.lower()
+            ):
+                return True
+        return False
+
+    def _close(self) -> None:
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            if transport.get_write_buffer_size():
+                transport.abort()  # unsent bytes the peer will not take: do not wait on them
+            else:
+                transport.close()
+
+
+def _expire(waiter: asyncio.Future[bool]) -> None:
+    if not waiter.done():
+        waiter.set_result(False)
+
+
+async def connect(
+    loop: asyncio.AbstractEventLoop,
+    host: str,
+    port: int,
+    ssl_context: ssl.SSLContext | None,
+    timeout: float | None,
+) -> Connection:
+    """A new connection, TLS when ``ssl_context`` is given (the host's name verified)."""
+    try:
+        _, protocol = await asyncio.wait_for(
+            loop.create_connection(
+                lambda: Connection(loop),
+                host,
+                port,
+                ssl=ssl_context,
+                server_hostname=host if ssl_context is not None else None,
+            ),
+            timeout,
+        )
+    except asyncio.TimeoutError:
+        raise httpx.ConnectTimeout("the upstream did not accept a connection in time") from None
+    except OSError as exc:  # refused, unreachable, unresolvable, a TLS certificate refused
+        raise httpx.ConnectError(f"cannot connect to the upstream: {exc!r}") from exc
+    return protocol
