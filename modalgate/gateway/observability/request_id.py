@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import re
 import time
 from collections.abc import Callable
@@ -34,10 +35,17 @@ def is_safe_id(value: str) -> bool:
     return _SAFE_ID.fullmatch(value) is not None
 
 
+# Ids need to be unique, not secret: a generator seeded from os.urandom (again in a
+# forked child) makes them without a system call, which on a busy gateway is a wait
+# for the GIL behind the thread validating a big body.
+_ids = random.Random()
+os.register_at_fork(after_in_child=_ids.seed)
+_random_bits = _ids.getrandbits
+
+
 def new_id() -> str:
-    """32 hex digits from os.urandom, as ``uuid4().hex`` is, without building a UUID
-    object (a fifth of the cost on every request; no version digits fixed)."""
-    return os.urandom(16).hex()
+    """32 hex digits, as ``uuid4().hex`` has, without a UUID object or a system call."""
+    return _random_bits(128).to_bytes(16, "big").hex()
 
 
 class RequestId:

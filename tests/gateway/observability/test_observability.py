@@ -551,3 +551,23 @@ def test_a_streamed_response_is_not_buffered():
         )
     assert first == b"one;" and first + rest == b"one;two;three"
     assert sent_last_after_first_seen == [True]
+
+
+def test_made_ids_are_32_hex_digits_unique_and_reseeded_in_a_forked_child():
+    import os
+
+    from modalgate.gateway.observability.request_id import new_id
+
+    made = {new_id() for _ in range(10_000)}
+    assert len(made) == 10_000
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in made)
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child's next id, written back
+        os.write(writer, new_id().encode())
+        os._exit(0)
+    os.close(writer)
+    os.waitpid(pid, 0)
+    child = os.read(reader, 64).decode()
+    os.close(reader)
+    assert len(child) == 32 and child != new_id()
