@@ -144,7 +144,8 @@ class Connection(asyncio.Protocol):
     # -- httptools' callbacks
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        if not self.head_done:  # trailers after a chunked body are dropped, as proxies do
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
