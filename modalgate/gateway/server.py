@@ -16,6 +16,7 @@ for requests that arrived meanwhile.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import tempfile
@@ -37,6 +38,7 @@ HANDOVER_S = 1.0
 
 def run_single(gateway: Gateway, settings: GatewaySettings) -> None:
     gateway.drain.enabled = True
+    freeze_startup_heap()
     uvicorn.run(gateway, **_options(settings))
 
 
@@ -64,7 +66,18 @@ def worker_app() -> Gateway:
         print(str(exc), file=sys.stderr)
         sys.exit(STARTUP_FAILURE)
     gateway.drain.enabled = True
+    freeze_startup_heap()
     return gateway
+
+
+def freeze_startup_heap() -> None:
+    """Keep what start-up built (modules, the policy, pydantic's and torch's objects) out
+    of every later garbage collection: each full collection walked all of it again, ~4%
+    of the gateway's CPU under load (perf, ``benchmarks/p7_proxies.py``'s text load).
+    Only ``modalgate serve`` does this: an app mounted elsewhere leaves its host's
+    collector alone."""
+    gc.collect()
+    gc.freeze()
 
 
 def settings_environment(settings: GatewaySettings) -> dict[str, str]:

@@ -430,3 +430,26 @@ def test_validate_fetch_downloads_and_checks_remote_media(tmp_path):
         assert len(server.connections) == 1
     finally:
         server.shutdown()
+
+
+def test_serve_freezes_the_startup_heap_before_serving() -> None:
+    """What start-up built is out of the collector's way by the time uvicorn runs; the
+    library alone (imported, an app built) leaves the collector as it was."""
+    script = (
+        "import gc, sys, uvicorn\n"
+        "from modalgate.gateway import cli\n"
+        "from modalgate.gateway.app import create_app\n"
+        "create_app()\n"
+        "print('library', gc.get_freeze_count())\n"
+        "uvicorn.run = lambda app, **options: print('serve', gc.get_freeze_count(),"
+        " options['http'].__name__)\n"
+        "sys.exit(cli.main(['serve', '--port', '0']))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    assert lines["library"] == "0"
+    frozen, protocol = lines["serve"].split()
+    assert int(frozen) > 10_000 and protocol == "CoalescingHttpToolsProtocol"
