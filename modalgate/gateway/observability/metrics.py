@@ -21,6 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -139,12 +140,22 @@ class GatewayMetrics:
         )
         self._encoders = _EncoderCollector()
         r.register(self._encoders)
+        # Each series once: ``labels()`` checks, locks and builds a key on every call,
+        # and these are called on every request. Their labels are bounded (rules,
+        # routes, codes), so are these.
+        self._requests: dict[tuple[str, str, str, str], Any] = {}
+        self._upstream: dict[tuple[str, str], Any] = {}
+        self._stream_ends: dict[str, Any] = {}
 
     def observe_outcome(self, outcome: GateOutcome) -> None:
         """An ``OutcomeObserver``: one count and two observations per decided request."""
         rule = outcome.rule or "unknown"
         verb = "shadowed" if outcome.shadowed else "accepted" if outcome.accepted else "rejected"
-        self.requests.labels(rule, outcome.mode or "", verb, outcome.code or "").inc()
+        key = (rule, outcome.mode or "", verb, outcome.code or "")
+        series = self._requests.get(key)
+        if series is None:
+            series = self._requests[key] = self.requests.labels(*key)
+        series.inc()
         if outcome.shadowed:
             self.shadow_refusals.labels(rule, outcome.code or "").inc()
         self.validation_seconds.observe(outcome.seconds)
@@ -156,13 +167,19 @@ class GatewayMetrics:
         self, seconds: float, status: int | None, error_code: str | None, route: str = "default"
     ) -> None:
         """No response at all (refused, timed out) is ``status=None``: ``status_class="error"``."""
-        status_class = f"{status // 100}xx" if status is not None else "error"
-        self.upstream_seconds.labels(route, status_class).observe(seconds)
+        key = (route, f"{status // 100}xx" if status is not None else "error")
+        series = self._upstream.get(key)
+        if series is None:
+            series = self._upstream[key] = self.upstream_seconds.labels(*key)
+        series.observe(seconds)
         if error_code:
             self.upstream_errors.labels(route, error_code).inc()
 
     def observe_stream_end(self, seconds: float, route: str = "default") -> None:
-        self.upstream_response_seconds.labels(route).observe(seconds)
+        series = self._stream_ends.get(route)
+        if series is None:
+            series = self._stream_ends[route] = self.upstream_response_seconds.labels(route)
+        series.observe(seconds)
 
     def policy_reload(self, ok: bool) -> None:
         self.policy_reloads.labels("ok" if ok else "error").inc()
