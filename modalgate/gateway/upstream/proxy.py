@@ -160,7 +160,8 @@ class _Exchange:
     body has been read until the last byte is out, and cancels this exchange, so an
     abandoned request is closed upstream whether the server is still thinking (no
     headers yet) or streaming. Plain asyncio, not a task group: the upstream client
-    is aiohttp's, so the loop is asyncio's anyway, and this runs once per request.
+    is an asyncio Protocol (pool.py), so the loop is asyncio's anyway, and this runs
+    once per request.
     """
 
     def __init__(
@@ -218,7 +219,7 @@ class _Exchange:
     async def _body(self, message: Message) -> AsyncIterator[bytes]:
         while True:
             if message["type"] == "http.disconnect":
-                self.client_gone = True  # raised in the pool's writer task, seen by us later
+                self.client_gone = True  # raised through the pool's request() to us
                 raise ClientGone
             chunk = message.get("body", b"")
             if chunk:
