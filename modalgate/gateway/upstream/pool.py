@@ -12,9 +12,9 @@ Protocol around httptools' parser, llhttp, the C parser uvicorn uses) and this p
 Measured on the same 2 cores, runs interleaved (benchmarks/p7_proxies.py --quick):
 ``serve``'s CPU per proxied text request 0.71-0.73 ms with aiohttp, 0.44-0.50 ms with
 this client (Envoy 0.15-0.19 ms); the client is now ~13% of serve's samples in a
-py-spy profile, ~5 of them its one write system call per request. The pool keeps httpx's transport protocol and exceptions, so health probes
-and model lists use it like any httpx transport, and the proxy maps one family of
-errors.
+py-spy profile, ~5 of them its one write system call per request. The pool keeps
+httpx's transport protocol and exceptions, so health probes and model lists use it
+like any httpx transport, and the proxy maps one family of errors.
 
 It needs an asyncio event loop: uvicorn (the default), hypercorn's asyncio and uvloop
 workers and granian all run one; under trio the pool refuses to start.
