@@ -16,6 +16,7 @@ for requests that arrived meanwhile.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import os
 import sys
@@ -34,11 +35,17 @@ from modalgate.gateway.observability.metrics import MULTIPROC_DIR_VARIABLE
 from modalgate.settings import GatewaySettings, env_name
 
 HANDOVER_S = 1.0
+# glibc's mallopt parameters (malloc.h) and what ``reuse_big_buffers`` sets them to.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
+TRIM_THRESHOLD_BYTES = 128 * 1024 * 1024
 
 
 def run_single(gateway: Gateway, settings: GatewaySettings) -> None:
     gateway.drain.enabled = True
     freeze_startup_heap()
+    reuse_big_buffers()
     uvicorn.run(gateway, **_options(settings))
 
 
@@ -67,6 +74,7 @@ def worker_app() -> Gateway:
         sys.exit(STARTUP_FAILURE)
     gateway.drain.enabled = True
     freeze_startup_heap()
+    reuse_big_buffers()
     return gateway
 
 
@@ -78,6 +86,27 @@ def freeze_startup_heap() -> None:
     collector alone."""
     gc.collect()
     gc.freeze()
+
+
+def reuse_big_buffers() -> bool:
+    """Have glibc's malloc serve request-sized buffers from memory it keeps, not fresh pages.
+
+    Every request body passes through buffers of its own size (the server's, the gate's
+    join, the decoded JSON string). Above 128 KiB glibc maps each one anew and unmaps it
+    when freed, so every page of every big body is faulted in and zeroed again: half the
+    CPU a server spent receiving a 1 MB body (``perf``; 0.5 ms instead of 0.9-1.1 ms). With
+    these thresholds blocks up to ``MMAP_THRESHOLD_BYTES`` come from the heap, and up to
+    ``TRIM_THRESHOLD_BYTES`` of freed heap is kept for the next request, as tcmalloc keeps
+    Envoy's. False (nothing changed) where the C library is not glibc.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError):
+        return False
+    return bool(
+        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    )
 
 
 def settings_environment(settings: GatewaySettings) -> dict[str, str]:

@@ -453,3 +453,35 @@ def test_serve_freezes_the_startup_heap_before_serving() -> None:
     assert lines["library"] == "0"
     frozen, protocol = lines["serve"].split()
     assert int(frozen) > 10_000 and protocol == "CoalescingHttpToolsProtocol"
+
+
+def test_serve_keeps_big_buffers_in_the_heap() -> None:
+    """Request-sized buffers made and freed as concurrent requests do (several alive at
+    once, freed first in, first out): glibc's defaults fault their pages in again and
+    again; after ``reuse_big_buffers`` the same memory serves the next ones."""
+    script = (
+        "import collections, resource, sys\n"
+        "from modalgate.gateway.server import reuse_big_buffers\n"
+        "def faults():\n"
+        "    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "    alive = collections.deque()\n"
+        "    for i in range(400):\n"
+        "        alive.append(bytes([i % 256]) * (900_000 + 1000 * (i % 7)))\n"
+        "        alive.append(bytearray(alive[-1]))  # a body and its copy\n"
+        "        if len(alive) > 8:\n"
+        "            alive.popleft(), alive.popleft()\n"
+        "    alive.clear()\n"
+        "    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before\n"
+        "faults()  # glibc's thresholds settle\n"
+        "default = faults()\n"
+        "if not reuse_big_buffers():\n"
+        "    sys.exit(3)\n"
+        "print(default, faults())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    if result.returncode == 3:
+        pytest.skip("not glibc: mallopt is not there to tune")
+    assert result.returncode == 0, result.stderr
+    default, tuned = map(int, result.stdout.split())
+    assert default > 10_000  # ~220 pages a buffer, most buffers
+    assert tuned < default / 4
