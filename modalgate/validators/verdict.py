@@ -238,6 +238,33 @@ class VerdictBuilder:
 _NONE: frozenset[str] = frozenset()
 
 
+def accepted(
+    mode: str | None,
+    model: str | None,
+    rule: ResolvedRule,
+    request: dict[str, Any],
+    api: str,
+    judged_as: str | None,
+    body_bytes: int,
+) -> Verdict:
+    """The verdict on a text-only request: ``VerdictBuilder(...).build()`` without the
+    builder (its three containers cost more than the verdict)."""
+    verdict = _new(_OpenVerdict)
+    verdict.violations = ()
+    verdict.parts = ()
+    verdict.model = model
+    verdict.mode = mode
+    verdict.rule = rule
+    verdict.request = request
+    verdict.unsupported = _NONE
+    verdict.routed_from = None
+    verdict.api = api
+    verdict.judged_as = judged_as
+    verdict.body_bytes = body_bytes
+    verdict.__class__ = Verdict
+    return verdict
+
+
 def refused(violation: Violation, mode: str | None) -> Verdict:
     """The verdict on a body validation could not even read."""
     return Verdict((violation,), mode=mode)

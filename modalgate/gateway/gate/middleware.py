@@ -25,14 +25,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, payload_too_large
 from modalgate.gateway.gate.outcome import GateOutcome, OutcomeObserver
-from modalgate.gateway.gate.paths import with_normalized_path
+from modalgate.gateway.gate.paths import normalized_path, with_normalized_path
 from modalgate.gateway.gate.pipeline import Decider
 from modalgate.gateway.gate.remote_media import MediaStage
 from modalgate.gateway.gate.send import send_error
 from modalgate.gateway.gate.shadow import SHADOW_HEADER, shadow_header
 from modalgate.policy import Policy, RuleMatcher, load_policy
 from modalgate.policy.endpoints import EndpointTable
-from modalgate.validators import Verdict
+from modalgate.validators import Verdict, validate_body
 from modalgate.validators.dialects import Dialect
 from modalgate.validators.request import Api, DialectOf, ServedModel
 
@@ -94,6 +94,13 @@ class ModalGate:
             (lambda _rule: dialect) if isinstance(dialect, Dialect) else dialect
         )
         self.enforced_paths = frozenset(p.rstrip("/") for p in enforced_paths)
+        # The given paths already in normal form, each with its API and whether it is
+        # enforced: a request spelled so (nearly all) is routed by this one lookup.
+        self._routes: dict[str, tuple[Api, bool]] = {
+            where: (api, where.rstrip("/") in self.enforced_paths)
+            for where, api in self._given.items()
+            if normalized_path(where) == where and "/." not in where
+        }
         self.set_policy(policy if isinstance(policy, Policy) else load_policy(policy), mode)
 
     def set_policy(self, policy: Policy, mode: str | None = None) -> None:
@@ -109,7 +116,13 @@ class ModalGate:
         self.media = MediaStage(policy.media_urls)
         # One object per policy: a request in flight keeps the one it started with.
         self.decider = Decider(
-            self.matcher, self.media, self.served, self.run_cpu, self.enforce, self.dialect
+            self.matcher,
+            self.media,
+            self.served,
+            self.run_cpu,
+            self.enforce,
+            self.dialect,
+            inline_below=self.thread_threshold,
         )
         self.strict_decider = replace(self.decider, enforce=True)
         self.read_cap = max(
@@ -130,29 +143,152 @@ class ModalGate:
         return self.matcher.mode
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = scope["type"]
-        if kind != "http":
-            if kind == "lifespan":
+        if scope["type"] != "http":
+            if scope["type"] == "lifespan":
                 send = self._closing_on_shutdown(send)
             await self.app(scope, receive, send)
             return
-        scope = with_normalized_path(scope)
         path = scope["path"]
-        # A given path as spelled (the common case) is one lookup; the rest via api_of.
-        api = self._given.get(path) or self.api_of(path)
-        if api is None:
-            await self.app(scope, receive, send)
-        elif scope["method"] == "POST":
+        route = self._routes.get(path)
+        raw = scope.get("raw_path")
+        # ``bytes.find``, not ``in``: a bytes ``in`` first tries the needle as an int and
+        # raises (and clears) a TypeError inside: ~1,800 instructions a request.
+        if route is not None and (raw is None or raw.find(b"%") < 0):
+            api, strict = route  # a given path, spelled in normal form: no copy of the scope
+        else:
+            scope = with_normalized_path(scope)
+            path = scope["path"]
+            found = self._given.get(path) or self.api_of(path)
+            if found is None:
+                await self.app(scope, receive, send)
+                return
+            api = found
             strict = bool(self.enforced_paths) and path.rstrip("/") in self.enforced_paths
-            decider = self.strict_decider if strict else self.decider
-            await _GatedRequest(self, decider, self.read_cap, api).run(scope, receive, send)
+        if scope["method"] == "POST":
+            await self._gated(
+                scope, receive, send, api, self.strict_decider if strict else self.decider
+            )
         elif _has_body(scope):
             # A body on another method would reach a server that reads it (SGLang takes
             # PUT /generate) without being judged.
-            self.report_early_refusal(scope["path"], _METHOD_NOT_ALLOWED)
+            self.report_early_refusal(path, _METHOD_NOT_ALLOWED)
             await send_error(send, [_METHOD_NOT_ALLOWED], [(b"allow", b"POST")])
         else:
             await self.app(scope, receive, send)  # GET, HEAD, OPTIONS (CORS preflight)
+
+    async def _gated(
+        self, scope: Scope, receive: Receive, send: Send, api: Api, decider: Decider
+    ) -> None:
+        """One gated POST: headers, body, verdict, then the app or the error.
+
+        One coroutine with no per-request objects of its own: an accepted body that
+        needs nothing fetched or rewritten (nearly all) is validated inline where it is
+        small and forwarded without any further await (``pipeline.Decider`` for the rest).
+        """
+        started = time.perf_counter() if self.on_outcome is not None else None
+        path = scope["path"]
+        read_cap = self.read_cap
+        refusal = _header_refusal(scope["headers"], read_cap)
+        if refusal is not None:
+            self.report_early_refusal(path, refusal, started=started)
+            await send_error(send, [refusal])
+            return
+        message = await receive()
+        body = message.get("body", b"")
+        if message.get("more_body", False) or message["type"] != "http.request":
+            body = await self._rest_of_body(message, receive, send, read_cap, path, started)
+            if body is None:
+                return
+        elif len(body) > read_cap:
+            await self._too_large(send, read_cap, len(body), path, started)
+            return
+        received = len(body)
+        if received < decider.inline_below:
+            verdict = validate_body(body, decider.matcher, api, decider.served, decider.dialect)
+            if not verdict.violations and not verdict.parts:  # accepted, text only
+                if self.on_outcome is not None:
+                    self._report(decider, verdict, received, path, started)
+                scope.setdefault("state", {})[VERDICT_STATE_KEY] = verdict
+                await self.app(scope, _replay(body, receive), send)
+                return
+        else:
+            verdict = None
+        decision = await decider.decide(body, api, verdict)
+        verdict = decision.verdict
+        if verdict.routed_from is not None:
+            send = _with_header(send, ROUTED_TO_HEADER, (verdict.model or "").encode())
+        if decision.shadowed:
+            send = _with_header(send, SHADOW_HEADER, shadow_header(verdict.violations))
+        if decision.body is not body:
+            body = decision.body
+            scope = dict(scope, headers=with_content_length(scope, len(body)))
+        if self.on_outcome is not None:
+            self._report(decider, verdict, received, path, started, decision.shadowed)
+        if not decision.forwards:
+            await send_error(send, verdict.violations)
+            return
+        scope.setdefault("state", {})[VERDICT_STATE_KEY] = verdict
+        await self.app(scope, _replay(body, receive), send)
+
+    def _report(
+        self,
+        decider: Decider,
+        verdict: Verdict,
+        body_bytes: int,
+        path: str,
+        started: float | None,
+        shadowed: bool = False,
+    ) -> None:
+        assert self.on_outcome is not None
+        rule = verdict.rule
+        self.on_outcome(
+            GateOutcome(
+                accepted=verdict.accepted,
+                violations=tuple(verdict.violations),
+                model=verdict.model,
+                mode=decider.matcher.mode,
+                rule=rule.name if rule is not None and rule.known else None,
+                routed_from=verdict.routed_from,
+                shadowed=shadowed,
+                body_bytes=body_bytes,
+                seconds=time.perf_counter() - started if started is not None else 0.0,
+                path=path,
+            )
+        )
+
+    async def _rest_of_body(
+        self,
+        message: Message,
+        receive: Receive,
+        send: Send,
+        read_cap: int,
+        path: str,
+        started: float | None,
+    ) -> bytes | None:
+        """The whole body from its first ``message`` on, or None once a 413 is sent or
+        the client has gone."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > read_cap:
+                await self._too_large(send, read_cap, size, path, started)
+                return None
+            if not message.get("more_body", False):
+                # A body in one message (most small ones) is passed on as that very object.
+                return b"".join((*chunks, chunk)) if chunks else chunk
+            chunks.append(chunk)
+            message = await receive()
+
+    async def _too_large(
+        self, send: Send, read_cap: int, size: int, path: str, started: float | None
+    ) -> None:
+        refusal = payload_too_large(read_cap)
+        self.report_early_refusal(path, refusal, size, started)
+        await send_error(send, [refusal])
 
     def api_of(self, path: str) -> Api | None:
         """How a (normalised) path's body is read; None: not gated here."""
@@ -189,85 +325,6 @@ class ModalGate:
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self.validation_threads)
         return await anyio.to_thread.run_sync(function, *args, limiter=self._limiter)
-
-
-class _GatedRequest:
-    """State of one gated request, in the manner of Starlette's GZip responder."""
-
-    __slots__ = ("api", "decider", "gate", "path", "read_cap", "started")
-
-    def __init__(self, gate: ModalGate, decider: Decider, read_cap: int, api: Api) -> None:
-        self.gate = gate
-        self.decider = decider
-        self.read_cap = read_cap
-        self.api = api
-
-    async def run(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.started = time.perf_counter()
-        self.path = scope["path"]
-        refusal = _header_refusal(scope["headers"], self.read_cap)
-        if refusal is not None:
-            self.gate.report_early_refusal(self.path, refusal, started=self.started)
-            await send_error(send, [refusal])
-            return
-        body = await self._read_body(receive, send)
-        if body is None:
-            return
-        received = len(body)
-        decision = await self.decider.decide(body, self.api)
-        verdict = decision.verdict
-        if verdict.routed_from is not None:
-            send = _with_header(send, ROUTED_TO_HEADER, (verdict.model or "").encode())
-        if decision.shadowed:
-            send = _with_header(send, SHADOW_HEADER, shadow_header(verdict.violations))
-        if decision.body is not body:
-            body = decision.body
-            scope = dict(scope, headers=with_content_length(scope, len(body)))
-        self._report(verdict, received, decision.shadowed)
-        if not decision.forwards:
-            await send_error(send, verdict.violations)
-            return
-        scope.setdefault("state", {})[VERDICT_STATE_KEY] = verdict
-        await self.gate.app(scope, _replay(body, receive), send)
-
-    def _report(self, verdict: Verdict, body_bytes: int, shadowed: bool = False) -> None:
-        if self.gate.on_outcome is None:
-            return
-        rule = verdict.rule
-        self.gate.on_outcome(
-            GateOutcome(
-                accepted=verdict.accepted,
-                violations=tuple(verdict.violations),
-                model=verdict.model,
-                mode=self.decider.matcher.mode,
-                rule=rule.name if rule is not None and rule.known else None,
-                routed_from=verdict.routed_from,
-                shadowed=shadowed,
-                body_bytes=body_bytes,
-                seconds=time.perf_counter() - self.started,
-                path=self.path,
-            )
-        )
-
-    async def _read_body(self, receive: Receive, send: Send) -> bytes | None:
-        """The whole body, or None once a 413 is sent or the client has gone."""
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.read_cap:
-                refusal = payload_too_large(self.read_cap)
-                self.gate.report_early_refusal(self.path, refusal, size, self.started)
-                await send_error(send, [refusal])
-                return None
-            if not message.get("more_body", False):
-                # A body in one message (most small ones) is passed on as that very object.
-                return b"".join((*chunks, chunk)) if chunks else chunk
-            chunks.append(chunk)
 
 
 def get_verdict(scope: Scope) -> Verdict | None:

@@ -57,12 +57,20 @@ class Decider:
     # Shadow mode (shadow.py): None as the policy says, False for every rule, True never.
     enforce: bool | None = None
     dialect: DialectOf | None = None  # how the server behind a rule reads content parts
+    # Bodies under this many bytes may be validated by the caller on the spot, without
+    # ``run_cpu`` (the middleware does, with its own threshold): 0, never.
+    inline_below: int = 0
 
-    async def decide(self, body: bytes, api: Api = "chat") -> Decision:
+    async def decide(
+        self, body: bytes, api: Api = "chat", verdict: Verdict | None = None
+    ) -> Decision:
+        """The decision on ``body``; ``verdict``: its ``validate_body`` verdict, where the
+        caller has it already."""
         received = len(body)
-        verdict: Verdict = await self.run_cpu(
-            received, validate_body, body, self.matcher, api, self.served, self.dialect
-        )
+        if verdict is None:
+            verdict = await self.run_cpu(
+                received, validate_body, body, self.matcher, api, self.served, self.dialect
+            )
         edits: Edits = []
         if not verdict.accepted and verdict.rule is not None and verdict.rule.fallback:
             routed = await self.run_cpu(
