@@ -30,9 +30,10 @@ READ_LOW_WATER = 16 * 1024
 _LAST_CHUNK = b"0\r\n\r\n"
 
 
-class _HeadOnly(Exception):
-    """Raised from the parser's callback to end a HEAD response at its headers
-    (llhttp, through httptools, cannot be told that no body follows)."""
+class _Unasked(Exception):
+    """Raised from the parser's callback to stop it past the response asked for: a HEAD
+    response ends at its headers (llhttp, through httptools, cannot be told that no
+    body follows), and a second response to one request is a fault."""
 
 
 def encode_head(
@@ -115,13 +116,8 @@ class Connection(asyncio.Protocol):
         self.received = True
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserCallbackError as exc:
-            if isinstance(exc.__context__, _HeadOnly):
-                self._end_message(keep_alive=False)  # the parser is spent: no reuse
-            else:
-                self._fail(httpx.RemoteProtocolError, f"malformed response: {exc}")
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            if self.complete:  # bytes after the end of the response: keep it, drop the link
+            if self.complete:  # a HEAD's end, or bytes after the response: keep it, not the link
                 self.keep_alive = False
             else:
                 self._fail(httpx.RemoteProtocolError, f"malformed response: {exc}")
@@ -148,6 +144,8 @@ class Connection(asyncio.Protocol):
             self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self.complete:
+            raise _Unasked  # a second response to one request: the parser stops here
         status = self._parser.get_status_code()
         if status < 200:  # 100 Continue, 103 Early Hints: the real answer follows
             self._informational = True
@@ -156,7 +154,8 @@ class Connection(asyncio.Protocol):
         self.status = status
         self.head_done = True
         if self._head_only:
-            raise _HeadOnly
+            self._end_message(keep_alive=False)  # the parser is spent: no reuse
+            raise _Unasked
 
     def on_body(self, body: bytes) -> None:
         self._chunks.append(body)

@@ -562,6 +562,21 @@ def test_a_body_that_ends_with_the_connection_is_whole_and_not_reused():
     assert asyncio.run(main())[2] == b"until the end"
 
 
+def test_a_second_response_to_one_request_is_not_read_and_the_connection_is_dropped():
+    double = OK_EMPTY + b"HTTP/1.1 500 Unasked\r\nContent-Length: 3\r\n\r\nbad"
+
+    async def main():
+        async with raw(answering(double, double)) as server:
+            pool = UpstreamPool(server.url, 4)
+            first = await fetch(pool)
+            second = await fetch(pool)
+            return first, second, server.connections
+
+    first, second, connections = asyncio.run(main())
+    assert first == second == (200, [(b"Content-Length", b"2")], b"ok")
+    assert connections == 2
+
+
 @pytest.mark.parametrize(
     ("response", "error", "message"),
     [
