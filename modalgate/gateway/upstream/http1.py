@@ -327,6 +327,15 @@ class Connection(asyncio.Protocol):
                 transport.close()
 
 
+class ConnectFailure(Exception):
+    """The cause of a ConnectError: the OS's error as ``os_error``, where the readiness
+    probe (service/health.py) tells a refusal from an unknown host."""
+
+    def __init__(self, os_error: OSError) -> None:
+        super().__init__(os_error)
+        self.os_error = os_error
+
+
 def _expire(waiter: asyncio.Future[bool]) -> None:
     if not waiter.done():
         waiter.set_result(False)
@@ -354,5 +363,6 @@ async def connect(
     except asyncio.TimeoutError:
         raise httpx.ConnectTimeout("the upstream did not accept a connection in time") from None
     except OSError as exc:  # refused, unreachable, unresolvable, a TLS certificate refused
-        raise httpx.ConnectError(f"cannot connect to the upstream: {exc!r}") from exc
+        failure = ConnectFailure(exc)
+        raise httpx.ConnectError(f"cannot connect to the upstream: {exc!r}") from failure
     return protocol

@@ -866,9 +866,11 @@ def test_a_full_pool_is_a_pool_timeout():
 def test_a_refused_connection_is_a_connect_error():
     async def main():
         pool = UpstreamPool(httpx.URL(f"http://127.0.0.1:{free_port()}"), 1)
-        with pytest.raises(httpx.ConnectError):
+        with pytest.raises(httpx.ConnectError) as caught:
             await fetch(pool)
         assert free_slots(pool) == 1
+        # The readiness probe names the reason from the OS's error.
+        assert isinstance(caught.value.__cause__.os_error, ConnectionRefusedError)
 
     asyncio.run(main())
 
