@@ -35,8 +35,9 @@ def parse_json_body(body: bytes) -> Any | Violation:
     A UTF-8 byte order mark is skipped, as the engines' own parsers (Python's
     ``json``) skip it; the body is still forwarded byte for byte.
     """
+    text = body[3:] if body.startswith(_BOM) else body  # (``_without_bom``, without a call)
     try:
-        return jiter.from_json(_without_bom(body), allow_inf_nan=False, catch_duplicate_keys=True)
+        return jiter.from_json(text, allow_inf_nan=False, catch_duplicate_keys=True)
     except ValueError as exc:
         return _json_problem(body, str(exc))
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from functools import partial
 from os import PathLike
 from typing import TypeVar
 
@@ -125,7 +126,7 @@ class ModalGate:
             inline_below=self.thread_threshold,
         )
         self.strict_decider = replace(self.decider, enforce=True)
-        self.read_cap = max(
+        self.read_cap = read_cap = max(
             [policy.limits.max_body_bytes]
             + [
                 r.limits.max_body_bytes
@@ -133,6 +134,8 @@ class ModalGate:
                 if r.limits and r.limits.max_body_bytes
             ]
         )
+        # A Content-Length of at most this many digits is under the cap, unread.
+        self._short_lengths = len(str(read_cap)) - 1
 
     @property
     def policy(self) -> Policy:
@@ -148,71 +151,80 @@ class ModalGate:
                 send = self._closing_on_shutdown(send)
             await self.app(scope, receive, send)
             return
-        path = scope["path"]
-        route = self._routes.get(path)
+        route = self._routes.get(scope["path"])
         raw = scope.get("raw_path")
         # ``bytes.find``, not ``in``: a bytes ``in`` first tries the needle as an int and
         # raises (and clears) a TypeError inside: ~1,800 instructions a request.
-        if route is not None and (raw is None or raw.find(b"%") < 0):
-            api, strict = route  # a given path, spelled in normal form: no copy of the scope
-        else:
-            scope = with_normalized_path(scope)
-            path = scope["path"]
-            found = self._given.get(path) or self.api_of(path)
-            if found is None:
+        if route is None or (raw is not None and raw.find(b"%") >= 0):
+            scope, route = self._routed(scope)  # any other spelling, or path, goes this way
+            if route is None:
                 await self.app(scope, receive, send)
                 return
-            api = found
-            strict = bool(self.enforced_paths) and path.rstrip("/") in self.enforced_paths
-        if scope["method"] == "POST":
-            await self._gated(
-                scope, receive, send, api, self.strict_decider if strict else self.decider
-            )
-        elif _has_body(scope):
-            # A body on another method would reach a server that reads it (SGLang takes
-            # PUT /generate) without being judged.
-            self.report_early_refusal(path, _METHOD_NOT_ALLOWED)
-            await send_error(send, [_METHOD_NOT_ALLOWED], [(b"allow", b"POST")])
-        else:
-            await self.app(scope, receive, send)  # GET, HEAD, OPTIONS (CORS preflight)
-
-    async def _gated(
-        self, scope: Scope, receive: Receive, send: Send, api: Api, decider: Decider
-    ) -> None:
-        """One gated POST: headers, body, verdict, then the app or the error.
-
-        One coroutine with no per-request objects of its own: an accepted body that
-        needs nothing fetched or rewritten (nearly all) is validated inline where it is
-        small and forwarded without any further await (``pipeline.Decider`` for the rest).
-        """
+        if scope["method"] != "POST":
+            if _has_body(scope):
+                # A body on another method would reach a server that reads it (SGLang takes
+                # PUT /generate) without being judged.
+                self.report_early_refusal(scope["path"], _METHOD_NOT_ALLOWED)
+                await send_error(send, [_METHOD_NOT_ALLOWED], [(b"allow", b"POST")])
+            else:
+                await self.app(scope, receive, send)  # GET, HEAD, OPTIONS (CORS preflight)
+            return
+        # A gated POST, all in this one coroutine (each await level costs ~1,000
+        # instructions): an accepted body with nothing to fetch or rewrite (nearly all) is
+        # validated inline where small and forwarded with no other await of the gate's.
+        api, strict = route
+        decider = self.strict_decider if strict else self.decider
         started = time.perf_counter() if self.on_outcome is not None else None
-        path = scope["path"]
         read_cap = self.read_cap
-        refusal = _header_refusal(scope["headers"], read_cap)
+        refusal = _header_refusal(scope["headers"], read_cap, self._short_lengths)
         if refusal is not None:
-            self.report_early_refusal(path, refusal, started=started)
+            self.report_early_refusal(scope["path"], refusal, started=started)
             await send_error(send, [refusal])
             return
         message = await receive()
         body = message.get("body", b"")
         if message.get("more_body", False) or message["type"] != "http.request":
-            body = await self._rest_of_body(message, receive, send, read_cap, path, started)
+            body = await self._rest_of_body(message, receive, send, read_cap, scope, started)
             if body is None:
                 return
         elif len(body) > read_cap:
-            await self._too_large(send, read_cap, len(body), path, started)
+            await self._too_large(send, read_cap, len(body), scope, started)
             return
-        received = len(body)
-        if received < decider.inline_below:
+        verdict = None
+        if len(body) < decider.inline_below:
             verdict = validate_body(body, decider.matcher, api, decider.served, decider.dialect)
             if not verdict.violations and not verdict.parts:  # accepted, text only
                 if self.on_outcome is not None:
-                    self._report(decider, verdict, received, path, started)
+                    self._report(decider, verdict, len(body), scope["path"], started)
                 scope.setdefault("state", {})[VERDICT_STATE_KEY] = verdict
-                await self.app(scope, _replay(body, receive), send)
+                # The very message received goes on: the body as sent, in one message.
+                await self.app(scope, partial(_replay, [message], receive), send)
                 return
-        else:
-            verdict = None
+        await self._decide(scope, receive, send, api, decider, body, verdict, started)
+
+    def _routed(self, scope: Scope) -> tuple[Scope, tuple[Api, bool] | None]:
+        """The scope with its path normalised, and how that path is gated (its API, and
+        whether it is enforced); None: not gated here."""
+        scope = with_normalized_path(scope)
+        path = scope["path"]
+        api = self._given.get(path) or self.api_of(path)
+        if api is None:
+            return scope, None
+        return scope, (api, bool(self.enforced_paths) and path.rstrip("/") in self.enforced_paths)
+
+    async def _decide(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        api: Api,
+        decider: Decider,
+        body: bytes,
+        verdict: Verdict | None,
+        started: float | None,
+    ) -> None:
+        """The rest of the decision (``pipeline.Decider``), then the app or the error."""
+        received = len(body)
         decision = await decider.decide(body, api, verdict)
         verdict = decision.verdict
         if verdict.routed_from is not None:
@@ -223,12 +235,13 @@ class ModalGate:
             body = decision.body
             scope = dict(scope, headers=with_content_length(scope, len(body)))
         if self.on_outcome is not None:
-            self._report(decider, verdict, received, path, started, decision.shadowed)
+            self._report(decider, verdict, received, scope["path"], started, decision.shadowed)
         if not decision.forwards:
             await send_error(send, verdict.violations)
             return
         scope.setdefault("state", {})[VERDICT_STATE_KEY] = verdict
-        await self.app(scope, _replay(body, receive), send)
+        replayed = {"type": "http.request", "body": body, "more_body": False}
+        await self.app(scope, partial(_replay, [replayed], receive), send)
 
     def _report(
         self,
@@ -262,7 +275,7 @@ class ModalGate:
         receive: Receive,
         send: Send,
         read_cap: int,
-        path: str,
+        scope: Scope,
         started: float | None,
     ) -> bytes | None:
         """The whole body from its first ``message`` on, or None once a 413 is sent or
@@ -275,7 +288,7 @@ class ModalGate:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > read_cap:
-                await self._too_large(send, read_cap, size, path, started)
+                await self._too_large(send, read_cap, size, scope, started)
                 return None
             if not message.get("more_body", False):
                 # A body in one message (most small ones) is passed on as that very object.
@@ -284,10 +297,10 @@ class ModalGate:
             message = await receive()
 
     async def _too_large(
-        self, send: Send, read_cap: int, size: int, path: str, started: float | None
+        self, send: Send, read_cap: int, size: int, scope: Scope, started: float | None
     ) -> None:
         refusal = payload_too_large(read_cap)
-        self.report_early_refusal(path, refusal, size, started)
+        self.report_early_refusal(scope["path"], refusal, size, started)
         await send_error(send, [refusal])
 
     def api_of(self, path: str) -> Api | None:
@@ -341,17 +354,12 @@ def _with_header(send: Send, name: bytes, value: bytes) -> Send:
     return wrapped
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
+async def _replay(pending: list[Message], receive: Receive) -> Message:
+    """The app's ``receive`` (bound with ``partial``: cheaper than a closure): the body's
+    message, once, then the real channel (``http.disconnect``)."""
+    if pending:
+        return pending.pop()
+    return await receive()
 
 
 def with_content_length(scope: Scope, length: int) -> list[tuple[bytes, bytes]]:
@@ -372,9 +380,13 @@ def _has_body(scope: Scope) -> bool:
     return False
 
 
-def _header_refusal(headers: Iterable[tuple[bytes, bytes]], cap: int) -> Violation | None:
+def _header_refusal(
+    headers: Iterable[tuple[bytes, bytes]], cap: int, short: int = 0
+) -> Violation | None:
     """What is wrong with the three headers that describe the body (the last of each
-    counts; ASGI servers send lower-case names), read in one pass over the headers."""
+    counts; ASGI servers send lower-case names), read in one pass over the headers.
+    A Content-Length of at most ``short`` digits is under ``cap`` without ``int``
+    (~1,100 instructions)."""
     content_type = encoding = length = None
     for name, value in headers:
         if name == b"content-type":
@@ -398,7 +410,7 @@ def _header_refusal(headers: Iterable[tuple[bytes, bytes]], cap: int) -> Violati
             ErrorCode.INVALID_REQUEST,
             "compressed request bodies (Content-Encoding) are not accepted",
         )
-    if length is not None:
+    if length is not None and not (len(length) <= short and length.isdigit()):
         try:
             declared = int(length)
         except ValueError:
