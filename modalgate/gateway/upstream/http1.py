@@ -92,6 +92,7 @@ class Connection(asyncio.Protocol):
         self.complete = False  # the response was read to its end
         self.keep_alive = False
         self.received = False  # any response byte in this exchange (no retry after one)
+        self._cut = False  # the request body was not sent whole
         self._head_only = head_only
         self._informational = False
         self._error: tuple[type[httpx.TransportError], str] | None = None
@@ -184,7 +185,7 @@ class Connection(asyncio.Protocol):
         """End the exchange; True if the connection may serve another."""
         self.active = False
         self.reused = True
-        if self.open and self.complete and self.keep_alive and not self._chunks:
+        if self.open and self.complete and self.keep_alive and not self._chunks and not self._cut:
             return True
         self.close()
         return False
@@ -209,7 +210,7 @@ class Connection(asyncio.Protocol):
         remaining = length
         async for chunk in content:
             if not self.open or self.head_done:
-                self.keep_alive = False
+                self._cut = True  # the upstream would read what is left as the next request
                 break
             if remaining is not None:
                 chunk = chunk[:remaining]
@@ -299,7 +300,7 @@ class Connection(asyncio.Protocol):
     def _lost(self, exc: Exception | None) -> None:
         self.open = False
         if self.active and not self.complete and self._error is None:
-            if self.head_done and not self._framed():
+            if self.head_done and exc is None and not self._framed():
                 self._end_message(keep_alive=False)  # a body that ends when the link does
             elif exc is not None:
                 self._error = (httpx.ReadError, f"the upstream connection failed: {exc!r}")

@@ -709,6 +709,33 @@ def test_the_request_goes_out_as_given_with_only_its_framing_added(content, head
     assert received == body
 
 
+def test_an_answer_before_the_upload_ends_is_returned_and_the_connection_dropped():
+    def early(server: RawServer) -> Handler:
+        async def handler(reader, writer, n):
+            if n > 1:
+                await answering(OK_EMPTY)(server)(reader, writer, n)
+                return
+            await reader.readuntil(b"\r\n\r\n")  # the head only: the body is too large
+            writer.write(b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 3\r\n\r\nbig")
+            await reader.read()
+
+        return handler
+
+    async def slow() -> AsyncIterator[bytes]:
+        for _ in range(100):
+            yield b"x" * 1000
+            await asyncio.sleep(0.02)
+
+    async def main():
+        async with raw(early) as server:
+            pool = UpstreamPool(server.url, 4)
+            status, _, body = await fetch(pool, b"POST", slow())
+            assert (await fetch(pool))[2] == b"ok"
+            return status, body, server.connections
+
+    assert asyncio.run(main()) == (413, b"big", 2)
+
+
 def test_an_upstream_that_stops_reading_the_body_is_a_write_timeout():
     def wedged(server: RawServer) -> Handler:
         async def handler(reader, writer, n):
