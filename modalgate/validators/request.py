@@ -213,7 +213,7 @@ def _plain_chat(request: dict[str, Any], reader: Dialect) -> bool:
     try:
         for message in messages:
             # Subscripts, not ``get``: a third of the cost. A message without one of the
-            # keys, or not an object at all, raises: not plain, so walked in full.
+            # keys raises: not plain, so walked in full.
             if (
                 type(message) is not dict
                 or type(message["content"]) is not str

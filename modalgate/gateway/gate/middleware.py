@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, payload_too_large
 from modalgate.gateway.gate.outcome import GateOutcome, OutcomeObserver
-from modalgate.gateway.gate.paths import normalized_path, with_normalized_path
+from modalgate.gateway.gate.paths import is_normal, with_normalized_path
 from modalgate.gateway.gate.pipeline import Decider
 from modalgate.gateway.gate.remote_media import MediaStage
 from modalgate.gateway.gate.send import send_error
@@ -95,12 +95,13 @@ class ModalGate:
             (lambda _rule: dialect) if isinstance(dialect, Dialect) else dialect
         )
         self.enforced_paths = frozenset(p.rstrip("/") for p in enforced_paths)
-        # The given paths already in normal form, each with its API and whether it is
-        # enforced: a request spelled so (nearly all) is routed by this one lookup.
-        self._routes: dict[str, tuple[Api, bool]] = {
-            where: (api, where.rstrip("/") in self.enforced_paths)
+        # The given paths already in normal form, each with its API, whether it is
+        # enforced, and its raw_path: a request spelled so (nearly all) is routed by one
+        # lookup and one comparison.
+        self._routes: dict[str, tuple[Api, bool, bytes]] = {
+            where: (api, where.rstrip("/") in self.enforced_paths, where.encode("ascii"))
             for where, api in self._given.items()
-            if normalized_path(where) == where and "/." not in where
+            if is_normal(where)
         }
         self.set_policy(policy if isinstance(policy, Policy) else load_policy(policy), mode)
 
@@ -152,10 +153,8 @@ class ModalGate:
             await self.app(scope, receive, send)
             return
         route = self._routes.get(scope["path"])
-        raw = scope.get("raw_path")
-        # ``bytes.find``, not ``in``: a bytes ``in`` first tries the needle as an int and
-        # raises (and clears) a TypeError inside: ~1,800 instructions a request.
-        if route is None or (raw is not None and raw.find(b"%") >= 0):
+        # A raw_path that is the path itself (or none): nothing to normalise.
+        if route is None or scope.get("raw_path", route[2]) != route[2]:
             scope, route = self._routed(scope)  # any other spelling, or path, goes this way
             if route is None:
                 await self.app(scope, receive, send)
@@ -172,7 +171,7 @@ class ModalGate:
         # A gated POST, all in this one coroutine (each await level costs ~1,000
         # instructions): an accepted body with nothing to fetch or rewrite (nearly all) is
         # validated inline where small and forwarded with no other await of the gate's.
-        api, strict = route
+        api, strict, _ = route
         decider = self.strict_decider if strict else self.decider
         started = time.perf_counter() if self.on_outcome is not None else None
         read_cap = self.read_cap
@@ -202,7 +201,7 @@ class ModalGate:
                 return
         await self._decide(scope, receive, send, api, decider, body, verdict, started)
 
-    def _routed(self, scope: Scope) -> tuple[Scope, tuple[Api, bool] | None]:
+    def _routed(self, scope: Scope) -> tuple[Scope, tuple[Api, bool, object] | None]:
         """The scope with its path normalised, and how that path is gated (its API, and
         whether it is enforced); None: not gated here."""
         scope = with_normalized_path(scope)
@@ -210,7 +209,8 @@ class ModalGate:
         api = self._given.get(path) or self.api_of(path)
         if api is None:
             return scope, None
-        return scope, (api, bool(self.enforced_paths) and path.rstrip("/") in self.enforced_paths)
+        strict = bool(self.enforced_paths) and path.rstrip("/") in self.enforced_paths
+        return scope, (api, strict, None)
 
     async def _decide(
         self,

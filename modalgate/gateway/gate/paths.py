@@ -50,3 +50,15 @@ def with_normalized_path(scope: Scope) -> Scope:
     if normalized == path and (raw is None or raw == encoded):
         return scope
     return {**scope, "path": normalized, "raw_path": encoded}
+
+
+def is_normal(path: str) -> bool:
+    """Whether a request for ``path`` whose ``raw_path`` is ``path`` itself, encoded (or
+    absent), is left as it is by ``with_normalized_path``: so a router may match such a
+    request on its path and raw_path alone, without calling it."""
+    return (
+        path.isascii()
+        and normalized_path(path) == path
+        and "/." not in path
+        and quote(path, safe=_SAFE) == path
+    )
