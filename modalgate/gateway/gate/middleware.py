@@ -186,6 +186,7 @@ class ModalGate:
             body = await self._rest_of_body(message, receive, send, read_cap, scope, started)
             if body is None:
                 return
+            message = {"type": "http.request", "body": body, "more_body": False}
         elif len(body) > read_cap:
             await self._too_large(send, read_cap, len(body), scope, started)
             return
@@ -196,7 +197,7 @@ class ModalGate:
                 if self.on_outcome is not None:
                     self._report(decider, verdict, len(body), scope["path"], started)
                 scope.setdefault("state", {})[VERDICT_STATE_KEY] = verdict
-                # The very message received goes on: the body as sent, in one message.
+                # The body in one message: the very one received, where it came in one.
                 await self.app(scope, partial(_replay, [message], receive), send)
                 return
         await self._decide(scope, receive, send, api, decider, body, verdict, started)

@@ -51,6 +51,7 @@ def post(
     path: str = "/v1/chat/completions",
     raw_path: object = _ABSENT,
     length: bytes | None = None,
+    pieces: int = 1,
 ) -> tuple[int, dict[str, Any]]:
     scope: dict[str, Any] = {
         "type": "http",
@@ -65,9 +66,15 @@ def post(
     if raw_path is not _ABSENT:
         scope["raw_path"] = raw_path
     sent: list[dict[str, Any]] = []
+    step = -(-len(body) // pieces)
+    messages = [
+        {"type": "http.request", "body": body[i : i + step], "more_body": i + step < len(body)}
+        for i in range(0, len(body), step)
+    ]
+    messages.append({"type": "http.disconnect"})
 
     async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": body, "more_body": False}
+        return messages.pop(0)
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
@@ -153,3 +160,23 @@ def test_the_observer_hears_of_accepted_and_refused_requests():
 def test_content_length(length, status):
     got, _ = post(ModalGate(App(), policy=None), TEXT, length=length)
     assert got == status
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 7])
+@pytest.mark.parametrize("body", [TEXT, AUDIO], ids=["accepted", "shadowed"])
+def test_a_body_in_pieces_reaches_the_app_whole_in_one_message(pieces, body):
+    seen: list[dict[str, Any]] = []
+
+    async def app(scope, receive, send) -> None:
+        seen.append(await receive())
+        seen.append(await receive())
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    gate = ModalGate(app, policy=None, enforce=False)
+    status, _ = post(gate, body, pieces=pieces)
+    assert status == 204
+    assert seen == [
+        {"type": "http.request", "body": body, "more_body": False},
+        {"type": "http.disconnect"},
+    ]
