@@ -106,7 +106,10 @@ def envoy_config(listen: int, upstream: int, authz: int | None) -> dict[str, Any
         manager["http_filters"] = manager["http_filters"][-1:]  # the router alone
         resources["clusters"] = [c for c in resources["clusters"] if c["name"] != "modalgate"]
     else:
-        service = manager["http_filters"][0]["typed_config"]["http_service"]
+        (authz_filter,) = (
+            f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_authz"
+        )
+        service = authz_filter["typed_config"]["http_service"]
         service["server_uri"]["uri"] = f"http://127.0.0.1:{authz}"
     ports = {"model_server": upstream, "modalgate": authz}
     for cluster in resources["clusters"]:

@@ -25,7 +25,11 @@ SCRIPTS = (
     "m1_fetch_overhead.py",
     "m2_decode_throughput.py",
     "p6_proxy_overhead.py",
+    "p7_proxies.py",  # its peers from install_peers.sh; an absent one is skipped, said so
     "p8_image_checks.py",
+    "p9_gate_cost.py",
+    "r1_ray_pool.py",
+    "w1_workers.py",
 )
 
 
