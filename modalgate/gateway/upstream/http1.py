@@ -6,9 +6,10 @@ as llhttp parses it, timeouts between two reads and per body chunk written, and
 backpressure both ways (asyncio's flow control out, ``pause_reading`` in). Every
 failure leaves here as an httpx exception, the family the proxy maps to 502/504.
 
-One coroutine at a time drives a connection (the request's task, then whoever
-reads the body), so one waiter future serves reads and drains alike: every event
-(data, end of file, writable again) wakes it and the loop re-checks its condition.
+One coroutine at a time waits on a connection (the request's task, then whoever
+reads the body; a streamed upload's task, while the request's waits on the head), so
+one waiter future serves reads and drains alike: every event (data, end of file,
+writable again, the upload's end) wakes it and the loop re-checks its condition.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[bool] | None = None
+        self._drain: asyncio.Future[bool] | None = None
         self._write_paused = False
         self._reading_paused = False
         self.open = True  # False once either side closed it: never used again
@@ -92,6 +94,8 @@ class Connection(asyncio.Protocol):
         self.complete = False  # the response was read to its end
         self.keep_alive = False
         self.received = False  # any response byte in this exchange (no retry after one)
+        self._upload: asyncio.Task[None] | None = None  # a streamed body going out
+        self._upload_error: BaseException | None = None
         self._cut = False  # the request body was not sent whole
         self._head_only = head_only
         self._informational = False
@@ -185,6 +189,9 @@ class Connection(asyncio.Protocol):
         """End the exchange; True if the connection may serve another."""
         self.active = False
         self.reused = True
+        upload = self._upload
+        if upload is not None and (not upload.done() or self._upload_error is not None):
+            self._cut = True
         if self.open and self.complete and self.keep_alive and not self._chunks and not self._cut:
             return True
         self.close()
@@ -192,21 +199,56 @@ class Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.open = False
+        if self._upload is not None:
+            self._upload.cancel()
         self._close()
 
     def write(self, data: bytes) -> None:
         self._transport.write(data)  # type: ignore[union-attr]
 
-    async def send_stream(
+    def start_upload(
         self,
         content: AsyncIterable[bytes],
         length: int | None,
         chunked: bool,
         timeout: float | None,
     ) -> None:
-        """A streamed body, each chunk taken by the upstream within ``timeout``; clipped
-        to ``length`` when the caller declared one. Stops early (the connection is not
-        reused) if the upstream answers before the body is out, as servers may (413)."""
+        """Send a streamed body from a task of its own while the head is awaited: an
+        upstream may answer before the body is out (413), and then the answer goes back
+        at once, whatever the client's upload does (as aiohttp's writer task did)."""
+        self._upload = self._loop.create_task(self._send_stream(content, length, chunked, timeout))
+        self._upload.add_done_callback(self._upload_ended)
+
+    def _upload_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None and self._upload_error is None:
+            self._upload_error = task.exception()
+        self._wake()
+
+    async def _send_stream(
+        self,
+        content: AsyncIterable[bytes],
+        length: int | None,
+        chunked: bool,
+        timeout: float | None,
+    ) -> None:
+        try:
+            await self._send_chunks(content, length, chunked, timeout)
+        except asyncio.CancelledError:
+            raise  # the exchange is over: whoever cancelled closes the connection
+        except BaseException as exc:  # the client went away, or the upstream stopped reading
+            self._upload_error = exc  # before the abort, so the head's waiter sees this first
+            self.abort()  # a graceful close would wait on unsent bytes the peer does not take
+            raise
+
+    async def _send_chunks(
+        self,
+        content: AsyncIterable[bytes],
+        length: int | None,
+        chunked: bool,
+        timeout: float | None,
+    ) -> None:
+        """Each chunk taken by the upstream within ``timeout``; clipped to ``length`` when
+        the caller declared one; stops once the upstream has answered."""
         remaining = length
         async for chunk in content:
             if not self.open or self.head_done:
@@ -221,8 +263,7 @@ class Connection(asyncio.Protocol):
                 chunk = b"%x\r\n%b\r\n" % (len(chunk), chunk)
             self.write(chunk)
             while self._write_paused and self.open and not self.head_done:
-                if not await self._wait(timeout):
-                    self.abort()  # a graceful close would wait on the unsent bytes
+                if not await self._wait_drain(timeout):  # aborted by _send_stream
                     raise httpx.WriteTimeout("the upstream stopped reading the request body")
         else:
             if chunked and self.open:
@@ -232,11 +273,15 @@ class Connection(asyncio.Protocol):
             raise httpx.WriteError("the upstream closed the connection during the upload")
 
     async def read_head(self, timeout: float | None) -> None:
+        """Until the response's head; the read timeout runs once the body is out."""
         while not self.head_done:
+            if self._upload_error is not None:
+                raise self._upload_error
             self._raise()
             if not self.open:
                 raise httpx.RemoteProtocolError("the upstream closed without a response")
-            if not await self._wait(timeout):
+            uploading = self._upload is not None and not self._upload.done()
+            if not await self._wait(None if uploading else timeout) and not uploading:
                 raise httpx.ReadTimeout("the upstream sent no response in time")
 
     def take(self) -> bytes | None:
@@ -278,10 +323,24 @@ class Connection(asyncio.Protocol):
             if timer is not None:
                 timer.cancel()
 
+    async def _wait_drain(self, timeout: float | None) -> bool:
+        """The upload's own wait (the head's waiter may be pending at the same time)."""
+        waiter = self._drain = self._loop.create_future()
+        timer = None if timeout is None else self._loop.call_later(timeout, _expire, waiter)
+        try:
+            return await waiter
+        finally:
+            self._drain = None
+            if timer is not None:
+                timer.cancel()
+
     def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(True)
+        drain = self._drain
+        if drain is not None and not drain.done():
+            drain.set_result(True)
 
     def _end_message(self, keep_alive: bool) -> None:
         self.complete = True

@@ -166,7 +166,7 @@ class UpstreamPool(httpx.AsyncBaseTransport):
             conn.write(head + content)  # one write: the body rides with the headers
         else:
             conn.write(head)
-            await conn.send_stream(content, length, chunked, timeouts.get("write"))
+            conn.start_upload(content, length, chunked, timeouts.get("write"))
         await conn.read_head(timeouts.get("read"))
 
     def _take_idle(self) -> Connection | None:

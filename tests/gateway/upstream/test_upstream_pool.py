@@ -736,6 +736,33 @@ def test_an_answer_before_the_upload_ends_is_returned_and_the_connection_dropped
     assert asyncio.run(main()) == (413, b"big", 2)
 
 
+def test_an_answer_comes_back_while_the_clients_upload_stalls():
+    # The body's next chunk never comes (a client that stalls, or an ASGI server whose
+    # receive() waits for the disconnect): the upstream's answer still goes back at once.
+    stopped = asyncio.Event()
+
+    async def stalls() -> AsyncIterator[bytes]:
+        try:
+            yield b'{"a": 1}'
+            await asyncio.sleep(3600)
+        finally:
+            stopped.set()
+
+    async def main():
+        async with raw(answering(OK_EMPTY, OK_EMPTY)) as server:
+            pool = UpstreamPool(server.url, 4)
+            given = [(b"host", b"up"), (b"content-length", b"8")]
+            started = time.monotonic()
+            assert (await fetch(pool, b"POST", stalls(), given))[2] == b"ok"
+            assert time.monotonic() - started < 1.5
+            await asyncio.wait_for(stopped.wait(), 2)  # the upload is stopped with the response
+            assert pool._idle == [] and free_slots(pool) == 4
+            assert (await fetch(pool))[2] == b"ok"
+            return server.connections
+
+    assert asyncio.run(main()) == 2
+
+
 def test_an_upstream_that_stops_reading_the_body_is_a_write_timeout():
     def wedged(server: RawServer) -> Handler:
         async def handler(reader, writer, n):
