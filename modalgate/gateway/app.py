@@ -28,7 +28,6 @@ from starlette.routing import Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modalgate.encoder_adapter import EncoderAdapter, create_encoder
-from modalgate.errors import ErrorCode, Violation
 from modalgate.gateway.gate.auth import ApiKeyAuth, configured_keys
 from modalgate.gateway.gate.middleware import (
     DEFAULT_PATHS,
@@ -37,11 +36,12 @@ from modalgate.gateway.gate.middleware import (
     get_verdict,
 )
 from modalgate.gateway.gate.outcome import GateOutcome
-from modalgate.gateway.gate.send import json_bytes, send_error
+from modalgate.gateway.gate.send import json_bytes
 from modalgate.gateway.observability.logs import configure_logging, log_outcome
 from modalgate.gateway.observability.metrics import GatewayMetrics, metrics_endpoint
 from modalgate.gateway.observability.request_id import RequestId
 from modalgate.gateway.observability.startup import in_effect
+from modalgate.gateway.own_routes import OwnPathsFirst, OwnRoute
 from modalgate.gateway.reload import PolicyReloader
 from modalgate.gateway.service.authz import (
     AllowChecked,
@@ -305,41 +305,6 @@ class Gateway:
             for adapter in self.adapters:
                 await adapter.close()
             self.metrics.worker_exited()
-
-
-class OwnRoute(Route):
-    """A route of the gateway's own whose wrong-method answer is the error envelope, like
-    every other answer of the gateway's (Starlette's is plain text)."""
-
-    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.methods and scope["method"] not in self.methods:
-            allowed = ", ".join(sorted(self.methods))
-            violation = Violation(
-                ErrorCode.METHOD_NOT_ALLOWED, f"{scope['path'][:100]} answers {allowed} only"
-            )
-            await send_error(send, [violation], [(b"allow", allowed.encode())])
-            return
-        await super().handle(scope, receive, send)
-
-
-class OwnPathsFirst:
-    """The router for the gateway's own few paths; any other request goes straight to the
-    router's default (the forwarder), without trying every route's pattern first (~23 us
-    a request, measured, on the path every proxied request takes)."""
-
-    def __init__(self, router: Router) -> None:
-        self.router = router
-        paths = [route.path for route in router.routes if isinstance(route, Route)]
-        self.own = frozenset(p.rstrip("/") for p in paths if "{" not in p)
-        self.own_prefixes = tuple(p.split("{", 1)[0] for p in paths if "{" in p)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            path = scope["path"]
-            if path.rstrip("/") not in self.own and not path.startswith(self.own_prefixes):
-                await self.router.default(scope, receive, send)
-                return
-        await self.router(scope, receive, send)
 
 
 async def _close_later(resource: object) -> None:
