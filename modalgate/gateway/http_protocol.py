@@ -65,6 +65,10 @@ class CoalescingTransport:
         self.flush()  # a closing transport still sends what it was given
         self.transport.close()
 
+    def write_eof(self) -> None:
+        self.flush()  # what was written before the end goes before it
+        self.transport.write_eof()
+
     def abort(self) -> None:
         self._held = None
         self.transport.abort()

@@ -157,3 +157,29 @@ def test_pipelined_requests_are_answered_in_order(server):
     first, _, second = data.partition(b"hello")
     assert first.startswith(b"HTTP/1.1 200 OK\r\n")
     assert second.startswith(b"HTTP/1.1 200 OK\r\n") and second.endswith(b"bye")
+
+
+def test_held_bytes_go_before_the_end_of_writing():
+    """``write_eof`` in the turn that wrote: the bytes first, then the end (a real socket)."""
+    from modalgate.gateway.http_protocol import CoalescingTransport
+
+    async def main() -> bytes:
+        ours, theirs = socket.socketpair()
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, ours)
+        coalescing = CoalescingTransport(transport, loop)
+        coalescing.write(b"held ")
+        coalescing.write(b"bytes")
+        coalescing.write_eof()
+        theirs.setblocking(False)
+        received = b""
+        while True:
+            chunk = await loop.sock_recv(theirs, 1024)
+            if not chunk:
+                break
+            received += chunk
+        transport.close()
+        theirs.close()
+        return received
+
+    assert asyncio.run(main()) == b"held bytes"

@@ -28,6 +28,8 @@ import httpx
 # the low mark, so a slow client slows the upstream instead of filling our memory.
 READ_HIGH_WATER = 64 * 1024
 READ_LOW_WATER = 16 * 1024
+# A response head (or trailers) larger than this is refused: llhttp sets no limit.
+MAX_HEAD_BYTES = 256 * 1024
 _LAST_CHUNK = b"0\r\n\r\n"
 
 
@@ -60,6 +62,9 @@ def encode_head(
         if not value.isdigit():
             raise httpx.LocalProtocolError("the request's Content-Length is not a number")
         length = int(value)
+    if length is not None and isinstance(body, bytes) and len(body) != length:
+        # The upstream would read the difference as (part of) another request.
+        raise httpx.LocalProtocolError("the request body does not match its Content-Length")
     chunked = length is None and body is not None
     if chunked and b"\r\ntransfer-encoding:" not in lowered:
         if isinstance(body, bytes):
@@ -102,6 +107,7 @@ class Connection(asyncio.Protocol):
         self._error: tuple[type[httpx.TransportError], str] | None = None
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
+        self._header_bytes = 0
 
     # -- asyncio's callbacks
 
@@ -144,7 +150,16 @@ class Connection(asyncio.Protocol):
 
     # -- httptools' callbacks
 
+    def on_message_begin(self) -> None:
+        if self.complete:
+            # Bytes after the response's end start another message (a 204 with a body, a
+            # pipelined extra): read on the next exchange they would be its answer.
+            raise _Unasked
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_bytes += len(name) + len(value)
+        if self._header_bytes > MAX_HEAD_BYTES:
+            raise _Unasked  # failed as a malformed response: no bound otherwise
         if not self.head_done:  # trailers after a chunked body are dropped, as proxies do
             self.headers.append((name, value))
 
@@ -266,6 +281,9 @@ class Connection(asyncio.Protocol):
                 if not await self._wait_drain(timeout):  # aborted by _send_stream
                     raise httpx.WriteTimeout("the upstream stopped reading the request body")
         else:
+            if remaining:  # the upstream would take the next request as the rest of this one
+                self._cut = True
+                raise httpx.LocalProtocolError("the request body ended before its Content-Length")
             if chunked and self.open:
                 self.write(_LAST_CHUNK)
         if not self.open and not self.head_done:
@@ -373,7 +391,8 @@ class Connection(asyncio.Protocol):
         for name, value in self.headers:
             lowered = name.lower()
             if lowered == b"content-length" or (
-                lowered == b"transfer-encoding" and b"chunked" in value.lower()
+                lowered == b"transfer-encoding"
+                and value.rsplit(b",", 1)[-1].strip().lower() == b"chunked"
             ):
                 return True
         return False

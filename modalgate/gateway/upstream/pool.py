@@ -42,6 +42,12 @@ KEEPALIVE_EXPIRY_S = 4.0
 # A request that failed on a reused connection before any response byte: the peer
 # closed it as we sent (its keep-alive ran out), so the request never reached it.
 _STALE = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+# A reused connection that failed with no answer is sent on again only as the close of
+# an idle connection looks: within this time of the write, whatever the method; later
+# only an idempotent request (a POST the upstream read, worked on and died with must
+# not run twice).
+STALE_RETRY_WINDOW_S = 0.1
+IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE", b"TRACE"})
 
 
 class UpstreamResponse:
@@ -121,12 +127,13 @@ class UpstreamPool(httpx.AsyncBaseTransport):
             head, length, chunked = encode_head(method, target, headers, content)
             conn = self._take_idle()
             if conn is not None:
+                sent_at = _loop().time()
                 try:
                     await self._exchange(conn, method, head, content, length, chunked, timeouts)
                     return UpstreamResponse(self, conn, timeouts.get("read"))
                 except _STALE:
                     conn.close()
-                    if conn.received or not (content is None or isinstance(content, bytes)):
+                    if not _may_send_again(conn, method, content, _loop().time() - sent_at):
                         raise
                 except BaseException:
                     conn.close()
@@ -241,3 +248,10 @@ class _HttpxStream(httpx.AsyncByteStream):
 
     async def aclose(self) -> None:
         await self._response.aclose()
+
+
+def _may_send_again(conn: Connection, method: bytes, content: object, after_s: float) -> bool:
+    """A reused connection's failure before any answer: the peer closed it as we sent."""
+    if conn.received or not (content is None or isinstance(content, bytes)):
+        return False  # answered in part, or a stream already consumed
+    return after_s <= STALE_RETRY_WINDOW_S or method in IDEMPOTENT

@@ -24,6 +24,7 @@ import pytest
 import trustme
 import uvicorn
 
+import modalgate.gateway.upstream.http1 as http1_module
 import modalgate.gateway.upstream.pool as pool_module
 from conftest import chat, free_port, serve
 from gateway_proc import GatewayProcess, metric
@@ -470,6 +471,139 @@ def test_a_new_connection_that_closes_without_answering_is_not_retried():
             return server.connections
 
     assert asyncio.run(main()) == 1
+
+
+def died_working_after_first(server: RawServer) -> Handler:
+    """The first connection answers once, then takes the next request, works on it past
+    the retry window and dies without an answer (a crashed or killed worker)."""
+
+    async def handler(reader, writer, n):
+        while await server.read(reader):
+            if n == 1 and len(server.heads) > 1:
+                await asyncio.sleep(pool_module.STALE_RETRY_WINDOW_S * 3)
+                return
+            writer.write(OK_EMPTY)
+
+    return handler
+
+
+def test_a_post_the_upstream_took_and_died_with_is_not_sent_again():
+    async def main():
+        async with raw(died_working_after_first) as server:
+            pool = UpstreamPool(server.url, 4)
+            assert (await fetch(pool))[2] == b"ok"
+            with pytest.raises(httpx.RemoteProtocolError):
+                await fetch(pool, b"POST", b'{"n": 2}')
+            assert free_slots(pool) == 4
+            return server.connections, server.bodies
+
+    assert asyncio.run(main()) == (1, [b"", b'{"n": 2}'])  # run once, not twice
+
+
+def test_an_idempotent_request_is_sent_again_after_the_window_too():
+    async def main():
+        async with raw(died_working_after_first) as server:
+            pool = UpstreamPool(server.url, 4)
+            assert (await fetch(pool))[2] == b"ok"
+            assert (await fetch(pool, b"GET"))[2] == b"ok"
+            return server.connections
+
+    assert asyncio.run(main()) == 2
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        b"HTTP/1.1 200 OK\r\nX-Smuggled: a",  # a head begun, not finished
+        b"HTTP/1.1 404 Not Found\r\nContent-Length: 3\r\n\r\nnot",  # a whole response
+    ],
+    ids=["part-of-a-head", "a-whole-response"],
+)
+def test_bytes_after_a_response_never_reach_the_next_request(extra):
+    """A response followed, in the same read, by the start of another: the connection is
+    dropped, and the next request gets its own answer from a new one."""
+
+    async def main():
+        async with raw(answering(OK_EMPTY + extra, OK_EMPTY)) as server:
+            pool = UpstreamPool(server.url, 4)
+            assert await fetch(pool) == (200, ANY, b"ok")
+            assert pool._idle == []
+            status, headers, body = await fetch(pool)
+            assert (status, body) == (200, b"ok")
+            assert all(b"smuggled" not in name.lower() for name, _ in headers)
+            return server.connections
+
+    assert asyncio.run(main()) == 2
+
+
+def test_a_204_with_a_body_is_not_reused():
+    sneaky = b"HTTP/1.1 204 No Content\r\nContent-Length: 40\r\n\r\n" + (
+        b"HTTP/1.1 200 OK\r\nSet-Cookie: x=1; a="
+    ).ljust(40, b"a")
+
+    def first_connection_sneaky(server: RawServer) -> Handler:
+        async def handler(reader, writer, n):
+            while await server.read(reader):
+                writer.write(sneaky if n == 1 else OK_EMPTY)
+
+        return handler
+
+    async def main():
+        async with raw(first_connection_sneaky) as server:
+            pool = UpstreamPool(server.url, 4)
+            assert (await fetch(pool))[:1] == (204,)
+            status, headers, body = await fetch(pool)
+            assert (status, body) == (200, b"ok")
+            assert all(name.lower() != b"set-cookie" for name, _ in headers)
+            return server.connections
+
+    assert asyncio.run(main()) == 2
+
+
+def test_a_response_head_past_the_limit_is_a_protocol_error():
+    big = b"x" * (http1_module.MAX_HEAD_BYTES + 1)
+    response = b"HTTP/1.1 200 OK\r\nX-Big: " + big + b"\r\nContent-Length: 2\r\n\r\nok"
+
+    async def main():
+        async with raw(answering(response)) as server:
+            pool = UpstreamPool(server.url, 4)
+            with pytest.raises(httpx.RemoteProtocolError, match="malformed response"):
+                await fetch(pool)
+            assert free_slots(pool) == 4
+
+    asyncio.run(main())
+
+
+def test_chunked_only_as_the_last_coding_frames_a_body():
+    """``chunked, gzip``: the body runs to the close (RFC 9112 6.3), which ends it cleanly."""
+    response = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\nraw bytes"
+
+    async def main():
+        async with raw(answering(response, then_close=True)) as server:
+            pool = UpstreamPool(server.url, 4)
+            assert await fetch(pool) == (200, ANY, b"raw bytes")
+            assert pool._idle == []
+
+    asyncio.run(main())
+
+
+def test_a_body_that_does_not_match_its_content_length_is_refused():
+    async def stream() -> AsyncIterator[bytes]:
+        yield b"abc"
+
+    async def main():
+        async with raw(answering(OK_EMPTY)) as server:
+            pool = UpstreamPool(server.url, 4)
+            length = [(b"host", b"up"), (b"content-length", b"2")]
+            with pytest.raises(httpx.LocalProtocolError, match="Content-Length"):
+                await fetch(pool, b"POST", b"ok" + b"GET /smuggled HTTP/1.1\r\n\r\n", length)
+            short = [(b"host", b"up"), (b"content-length", b"10")]
+            with pytest.raises(httpx.LocalProtocolError, match="ended before"):
+                await fetch(pool, b"POST", stream(), short)
+            assert free_slots(pool) == 4
+            return server.heads
+
+    assert asyncio.run(main()) == []  # nothing the upstream could take as a request
 
 
 def test_idle_connections_past_the_keep_alive_expiry_are_closed(monkeypatch):
