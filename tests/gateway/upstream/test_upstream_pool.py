@@ -465,8 +465,11 @@ def test_a_new_connection_that_closes_without_answering_is_not_retried():
     async def main():
         async with raw(answering(then_close=True)) as server:
             pool = UpstreamPool(server.url, 4)
-            with pytest.raises(httpx.RemoteProtocolError, match="without a response"):
+            # A close before our request arrived is a FIN; after, the kernel's reset of the
+            # unread request: which one depends on the scheduling, and both are no answer.
+            with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)) as failed:
                 await fetch(pool, b"POST", b"{}")
+            assert re.search("without a response|connection failed", str(failed.value))
             assert free_slots(pool) == 4
             return server.connections
 
