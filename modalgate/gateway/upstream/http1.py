@@ -333,24 +333,18 @@ class Connection(asyncio.Protocol):
     async def _wait(self, timeout: float | None) -> bool:
         """Until the next event; False if ``timeout`` passed first."""
         waiter = self._waiter = self._loop.create_future()
-        timer = None if timeout is None else self._loop.call_later(timeout, _expire, waiter)
         try:
-            return await waiter
+            return await _within(self._loop, waiter, timeout)
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
 
     async def _wait_drain(self, timeout: float | None) -> bool:
         """The upload's own wait (the head's waiter may be pending at the same time)."""
         waiter = self._drain = self._loop.create_future()
-        timer = None if timeout is None else self._loop.call_later(timeout, _expire, waiter)
         try:
-            return await waiter
+            return await _within(self._loop, waiter, timeout)
         finally:
             self._drain = None
-            if timer is not None:
-                timer.cancel()
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -413,6 +407,18 @@ class ConnectFailure(Exception):
     def __init__(self, os_error: OSError) -> None:
         super().__init__(os_error)
         self.os_error = os_error
+
+
+async def _within(
+    loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[bool], timeout: float | None
+) -> bool:
+    """``waiter``'s result, or False once ``timeout`` has passed."""
+    timer = None if timeout is None else loop.call_later(timeout, _expire, waiter)
+    try:
+        return await waiter
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 def _expire(waiter: asyncio.Future[bool]) -> None:

@@ -59,17 +59,23 @@ def held() -> Iterator[tuple[HeldUpstream, str]]:
     upstream.release.set()
 
 
+def chat_in_background(url: str) -> tuple[threading.Thread, list[httpx.Response]]:
+    """A chat request running in a thread; its answer lands in the list."""
+    answers: list[httpx.Response] = []
+    client = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(url + "/v1/chat/completions", json=chat(), timeout=TIMEOUT_S)
+        )
+    )
+    client.start()
+    return client, answers
+
+
 def test_sigterm_drains_readyz_says_so_and_the_request_in_flight_finishes(held):
     upstream, base = held
     with GatewayProcess("--upstream", base, "--grace-period", "30") as gateway:
         assert httpx.get(gateway.url + "/readyz").status_code == 200
-        answers: list[httpx.Response] = []
-        client = threading.Thread(
-            target=lambda: answers.append(
-                httpx.post(gateway.url + "/v1/chat/completions", json=chat(), timeout=TIMEOUT_S)
-            )
-        )
-        client.start()
+        client, answers = chat_in_background(gateway.url)
         assert upstream.arrived.wait(TIMEOUT_S)
         gateway.signal(signal.SIGTERM)
         line = gateway.wait_for_log(lambda line: line.get("event") == "draining")
@@ -108,13 +114,7 @@ def test_a_group_signal_then_the_parents_sigterm_still_drains_every_worker(held)
     upstream, base = held
     command = in_own_group("--upstream", base, "--grace-period", "30", "--workers", "2")
     with GatewayProcess(command=command) as gateway:
-        answers: list[httpx.Response] = []
-        client = threading.Thread(
-            target=lambda: answers.append(
-                httpx.post(gateway.url + "/v1/chat/completions", json=chat(), timeout=TIMEOUT_S)
-            )
-        )
-        client.start()
+        client, answers = chat_in_background(gateway.url)
         assert upstream.arrived.wait(TIMEOUT_S)
         os.killpg(gateway.process.pid, signal.SIGINT)
         gateway.wait_for_log(lambda line: line.get("event") == "draining")

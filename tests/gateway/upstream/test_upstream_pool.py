@@ -420,17 +420,25 @@ def test_an_idle_connection_the_upstream_closed_is_dropped_not_used():
     assert asyncio.run(main()) == (2, 2)  # no request lost on the closed one
 
 
-def stale_after_first(server: RawServer) -> Handler:
+def closing_after_first(delay_s: float = 0.0) -> Callable[[RawServer], Handler]:
     """The first connection answers once, then takes the next request and closes without
-    a word, as a server whose keep-alive ran out just as the request came in."""
+    a word: at once, as a server whose keep-alive ran out just as the request came in, or
+    after ``delay_s``, as a worker that took the request and died on it."""
 
-    async def handler(reader, writer, n):
-        while await server.read(reader):
-            if n == 1 and len(server.heads) > 1:
-                return
-            writer.write(OK_EMPTY)
+    def make(server: RawServer) -> Handler:
+        async def handler(reader, writer, n):
+            while await server.read(reader):
+                if n == 1 and len(server.heads) > 1:
+                    await asyncio.sleep(delay_s)
+                    return
+                writer.write(OK_EMPTY)
 
-    return handler
+        return handler
+
+    return make
+
+
+stale_after_first = closing_after_first()
 
 
 def test_a_request_on_a_stale_connection_is_retried_once_on_a_new_one():
@@ -476,18 +484,7 @@ def test_a_new_connection_that_closes_without_answering_is_not_retried():
     assert asyncio.run(main()) == 1
 
 
-def died_working_after_first(server: RawServer) -> Handler:
-    """The first connection answers once, then takes the next request, works on it past
-    the retry window and dies without an answer (a crashed or killed worker)."""
-
-    async def handler(reader, writer, n):
-        while await server.read(reader):
-            if n == 1 and len(server.heads) > 1:
-                await asyncio.sleep(pool_module.STALE_RETRY_WINDOW_S * 3)
-                return
-            writer.write(OK_EMPTY)
-
-    return handler
+died_working_after_first = closing_after_first(pool_module.STALE_RETRY_WINDOW_S * 3)
 
 
 def test_a_post_the_upstream_took_and_died_with_is_not_sent_again():
