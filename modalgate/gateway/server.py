@@ -29,7 +29,7 @@ from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import Multiprocess
 
 from modalgate.gateway.app import Gateway, StartupError, create_app
-from modalgate.gateway.http_protocol import CoalescingHttpToolsProtocol
+from modalgate.gateway.http_protocol import ServeHttpProtocol
 from modalgate.gateway.observability.logs import uvicorn_log_config
 from modalgate.gateway.observability.metrics import MULTIPROC_DIR_VARIABLE
 from modalgate.settings import GatewaySettings, env_name
@@ -142,6 +142,6 @@ def _options(settings: GatewaySettings) -> dict[str, Any]:
         # X-Forwarded-For is passed on as a chain, not folded into the client address.
         "proxy_headers": False,
         "lifespan": "on",
-        # A small response's head and body in one write (gateway/http_protocol.py).
-        "http": CoalescingHttpToolsProtocol,
+        # Request bodies whole, a small response in one write (gateway/http_protocol.py).
+        "http": ServeHttpProtocol,
     }

@@ -452,7 +452,7 @@ def test_serve_freezes_the_startup_heap_before_serving() -> None:
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
     assert lines["library"] == "0"
     frozen, protocol = lines["serve"].split()
-    assert int(frozen) > 10_000 and protocol == "CoalescingHttpToolsProtocol"
+    assert int(frozen) > 10_000 and protocol == "ServeHttpProtocol"
 
 
 def test_serve_keeps_big_buffers_in_the_heap() -> None:

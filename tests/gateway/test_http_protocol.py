@@ -1,4 +1,5 @@
-"""``modalgate serve``'s uvicorn protocol: writes of one loop turn leave as one.
+"""``modalgate serve``'s uvicorn protocol: request bodies of a declared length reach the
+app whole; writes of one loop turn leave as one.
 
 A real uvicorn server (in a thread) with the protocol, real sockets; the real
 transport under the protocol's is wrapped to count its writes.
@@ -7,6 +8,8 @@ transport under the protocol's is wrapped to count its writes.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import socket
 import threading
 import time
@@ -16,10 +19,13 @@ import pytest
 import uvicorn
 
 from conftest import free_port
-from modalgate.gateway.http_protocol import FLUSH_AT_BYTES, CoalescingHttpToolsProtocol
+from modalgate.gateway import http_protocol
+from modalgate.gateway.http_protocol import FLUSH_AT_BYTES, ServeHttpProtocol
 
 WRITES: list[int] = []  # sizes of the real transport's writes, in order
 GO_ON = threading.Event()
+FIRST_PART_IN = threading.Event()  # the app took a part of a body with more to come
+DISCONNECTED = threading.Event()
 
 
 class _CountingTransport:
@@ -34,7 +40,7 @@ class _CountingTransport:
         return getattr(self._transport, name)
 
 
-class CountingProtocol(CoalescingHttpToolsProtocol):
+class CountingProtocol(ServeHttpProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.transport.transport = _CountingTransport(transport)  # type: ignore[attr-defined]
@@ -60,10 +66,33 @@ async def app(scope, receive, send) -> None:
         for _ in range(10):
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"end"})
+    elif path == "/echo":  # the sizes of the body's messages, and its digest
+        sizes, body = await _read_body(receive)
+        if sizes is None:
+            return
+        answer = json.dumps({"sizes": sizes, "sha256": hashlib.sha256(body).hexdigest()})
+        headers.append((b"content-length", str(len(answer)).encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": answer.encode()})
     elif path == "/close":
         headers += [(b"connection", b"close"), (b"content-length", b"3")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": b"bye"})
+
+
+async def _read_body(receive) -> tuple[list[int] | None, bytes]:
+    sizes: list[int] = []
+    body = b""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            DISCONNECTED.set()
+            return None, body
+        sizes.append(len(message["body"]))
+        body += message["body"]
+        if not message.get("more_body", False):
+            return sizes, body
+        FIRST_PART_IN.set()
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +212,78 @@ def test_held_bytes_go_before_the_end_of_writing():
         return received
 
     assert asyncio.run(main()) == b"held bytes"
+
+
+def _post(length: int, extra: str = "") -> bytes:
+    return f"POST /echo HTTP/1.1\r\nhost: t\r\ncontent-length: {length}\r\n{extra}\r\n".encode()
+
+
+def _echoed(sock: socket.socket) -> dict:
+    response = _read_response(sock, b"}")
+    assert response.startswith(b"HTTP/1.1 200 OK\r\n"), response[:200]
+    return json.loads(response.partition(b"\r\n\r\n")[2])
+
+
+def _send_in_pieces(sock: socket.socket, body: bytes, pieces: int) -> None:
+    """Sent with pauses, so the server reads the body in several parts."""
+    step = -(-len(body) // pieces)
+    for at in range(0, len(body), step):
+        sock.sendall(body[at : at + step])
+        time.sleep(0.02)
+
+
+def test_a_body_of_declared_length_reaches_the_app_whole(server):
+    body = bytes(range(256)) * 4000  # ~1 MB
+    with socket.create_connection(("127.0.0.1", server)) as sock:
+        sock.settimeout(5)
+        sock.sendall(_post(len(body)))
+        _send_in_pieces(sock, body, 8)
+        echoed = _echoed(sock)
+        assert echoed == {"sizes": [len(body)], "sha256": hashlib.sha256(body).hexdigest()}
+        sock.sendall(_post(3) + b"abc")  # the next request on the connection: the same
+        assert _echoed(sock)["sizes"] == [3]
+
+
+def test_a_body_without_a_length_is_handed_over_as_it_arrives(server):
+    """Chunked: the client may be streaming as it goes, so the app gets the first part
+    before the client has sent the rest."""
+    FIRST_PART_IN.clear()
+    with socket.create_connection(("127.0.0.1", server)) as sock:
+        sock.settimeout(5)
+        head = b"POST /echo HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+        sock.sendall(head + b"5\r\nfirst\r\n")
+        assert FIRST_PART_IN.wait(5)
+        sock.sendall(b"4\r\nlast\r\n0\r\n\r\n")
+        echoed = _echoed(sock)
+    assert echoed["sizes"][0] == 5 and sum(echoed["sizes"]) == 9
+    assert echoed["sha256"] == hashlib.sha256(b"firstlast").hexdigest()
+
+
+def test_a_body_over_the_whole_size_is_handed_over_in_parts(server, monkeypatch):
+    monkeypatch.setattr(http_protocol, "WHOLE_BODY_BYTES", 100_000)
+    body = bytes(range(256)) * 1200  # 307,200 bytes
+    with socket.create_connection(("127.0.0.1", server)) as sock:
+        sock.settimeout(5)
+        sock.sendall(_post(len(body)))
+        _send_in_pieces(sock, body, 6)
+        echoed = _echoed(sock)
+    assert len(echoed["sizes"]) > 1 and sum(echoed["sizes"]) == len(body)
+    assert echoed["sha256"] == hashlib.sha256(body).hexdigest()
+
+
+def test_a_client_gone_before_its_body_is_whole_is_a_disconnect(server):
+    """The app waiting for a held body hears the disconnect: no request hangs."""
+    DISCONNECTED.clear()
+    with socket.create_connection(("127.0.0.1", server)) as sock:
+        sock.sendall(_post(1_000_000) + b"x" * 10_000)
+        time.sleep(0.1)
+    assert DISCONNECTED.wait(5)
+
+
+def test_expect_100_continue_with_a_whole_body(server):
+    with socket.create_connection(("127.0.0.1", server)) as sock:
+        sock.settimeout(5)
+        sock.sendall(_post(5, "expect: 100-continue\r\n"))
+        assert _read_response(sock, b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(b"hello")
+        assert _echoed(sock) == {"sizes": [5], "sha256": hashlib.sha256(b"hello").hexdigest()}
