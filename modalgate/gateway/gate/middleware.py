@@ -20,11 +20,10 @@ from functools import partial
 from os import PathLike
 from typing import TypeVar
 
-import anyio
-import anyio.to_thread
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, payload_too_large
+from modalgate.gateway.gate.cpu_threads import CpuThreads
 from modalgate.gateway.gate.outcome import GateOutcome, OutcomeObserver
 from modalgate.gateway.gate.paths import is_normal, with_normalized_path
 from modalgate.gateway.gate.pipeline import Decider
@@ -89,7 +88,7 @@ class ModalGate:
             **dict.fromkeys(self.paths, "chat"),
         }
         self.validation_threads = validation_threads
-        self._limiter: anyio.CapacityLimiter | None = None
+        self._threads: CpuThreads | None = None
         self.enforce = enforce
         self.dialect: DialectOf | None = (
             (lambda _rule: dialect) if isinstance(dialect, Dialect) else dialect
@@ -333,12 +332,12 @@ class ModalGate:
         return wrapped
 
     async def run_cpu(self, size: int, function: Callable[..., T], *args: object) -> T:
-        """Small work inline; big work in a worker thread behind the gate's own limiter."""
+        """Small work inline; big work in one of the gate's own threads (``cpu_threads``)."""
         if size < self.thread_threshold:
             return function(*args)
-        if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(self.validation_threads)
-        return await anyio.to_thread.run_sync(function, *args, limiter=self._limiter)
+        if self._threads is None:
+            self._threads = CpuThreads(self.validation_threads)
+        return await self._threads.run(function, *args)
 
 
 def get_verdict(scope: Scope) -> Verdict | None:

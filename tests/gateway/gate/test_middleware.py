@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import socket
+import threading
 from collections.abc import Iterator
 
 import anyio
@@ -392,3 +394,43 @@ def test_full_image_decoding_sends_every_body_that_can_hold_an_image_to_a_thread
 
 async def _noop_app(scope, receive, send) -> None:
     return None
+
+
+def test_a_big_body_is_validated_off_the_loop_while_small_ones_go_on(monkeypatch):
+    """A body over the thread threshold is validated in the gate's threads: a small
+    request is answered while that validation is still running."""
+    from modalgate.gateway.gate import pipeline
+
+    started, release = threading.Event(), threading.Event()
+    validated_in: list[int] = []
+    real = pipeline.validate_body
+
+    def held(raw, *args):
+        if len(raw) > 256 * 1024:
+            validated_in.append(threading.get_ident())
+            started.set()
+            release.wait(10)
+        return real(raw, *args)
+
+    monkeypatch.setattr(pipeline, "validate_body", held)
+
+    async def answer(scope, receive, send) -> None:
+        while (await receive()).get("more_body", False):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    gate = ModalGate(answer)
+    headers = [(b"content-type", b"application/json")]
+
+    async def main() -> tuple[tuple[int, bytes], tuple[int, bytes]]:
+        long_chat = {"model": "kimi-k3", "messages": [{"role": "user", "content": "x" * 300_000}]}
+        big = asyncio.ensure_future(_drive(gate, [body(long_chat)], headers))
+        assert await asyncio.to_thread(started.wait, 10), "the big body was never validated"
+        small = await asyncio.wait_for(_drive(gate, [body(chat())], headers), 10)
+        release.set()
+        return small, await big
+
+    small, big = asyncio.run(main())
+    assert small == (200, b"ok") and big == (200, b"ok")
+    assert validated_in and validated_in[0] != threading.get_ident()
