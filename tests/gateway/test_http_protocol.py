@@ -20,12 +20,13 @@ import uvicorn
 
 from conftest import free_port
 from modalgate.gateway import http_protocol
-from modalgate.gateway.http_protocol import FLUSH_AT_BYTES, ServeHttpProtocol
+from modalgate.gateway.http_protocol import FLUSH_AT_BYTES, ON_CLIENT_GONE, ServeHttpProtocol
 
 WRITES: list[int] = []  # sizes of the real transport's writes, in order
 GO_ON = threading.Event()
 FIRST_PART_IN = threading.Event()  # the app took a part of a body with more to come
 DISCONNECTED = threading.Event()
+CALLED_BACK: list[str] = []
 
 
 class _CountingTransport:
@@ -74,6 +75,13 @@ async def app(scope, receive, send) -> None:
         headers.append((b"content-length", str(len(answer)).encode()))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": answer.encode()})
+    elif path in ("/kept", "/forgotten"):  # a callback for the client's going away
+        forget = scope["extensions"][ON_CLIENT_GONE](lambda: CALLED_BACK.append(path))
+        if path == "/forgotten":
+            forget()
+        headers.append((b"content-length", b"2"))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"ok"})
     elif path == "/close":
         headers += [(b"connection", b"close"), (b"content-length", b"3")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -287,3 +295,42 @@ def test_expect_100_continue_with_a_whole_body(server):
         assert _read_response(sock, b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
         sock.sendall(b"hello")
         assert _echoed(sock) == {"sizes": [5], "sha256": hashlib.sha256(b"hello").hexdigest()}
+
+
+def test_the_client_going_away_calls_back_unless_the_callback_was_forgotten(server):
+    CALLED_BACK.clear()
+    for path in ("/forgotten", "/kept"):
+        with socket.create_connection(("127.0.0.1", server)) as sock:
+            sock.settimeout(5)
+            sock.sendall(_request(path))
+            assert _read_response(sock, b"ok").startswith(b"HTTP/1.1 200 OK\r\n")
+    deadline = time.monotonic() + 5
+    while not CALLED_BACK and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # time for a wrong call to arrive too
+    assert CALLED_BACK == ["/kept"]
+
+
+def test_a_callback_given_after_the_client_went_is_called_at_once():
+    """As ``receive`` answers ``http.disconnect`` at once on a lost connection."""
+
+    async def main() -> list[str]:
+        called: list[str] = []
+        ours, theirs = socket.socketpair()
+        loop = asyncio.get_running_loop()
+        config = uvicorn.Config(app, lifespan="off")
+        config.load()
+        state = uvicorn.server.ServerState()
+        protocol = ServeHttpProtocol(config=config, server_state=state, app_state={})
+        transport, _ = await loop.connect_accepted_socket(lambda: protocol, ours)
+        theirs.sendall(_request("/kept"))
+        await asyncio.sleep(0.05)
+        call_when_gone = protocol.scope["extensions"][ON_CLIENT_GONE]
+        theirs.close()
+        await asyncio.sleep(0.05)
+        call_when_gone(lambda: called.append("late"))
+        await asyncio.sleep(0)
+        transport.close()
+        return called
+
+    assert asyncio.run(main()) == ["late"]

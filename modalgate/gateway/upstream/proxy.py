@@ -26,6 +26,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, error_body
 from modalgate.gateway.gate.send import send_error
+from modalgate.gateway.http_protocol import ON_CLIENT_GONE
 from modalgate.gateway.upstream.pool import UpstreamPool, UpstreamResponse
 
 logger = logging.getLogger("modalgate.proxy")
@@ -156,12 +157,13 @@ class ClientGone(Exception):
 class _Exchange:
     """One request and its response, in the manner of Starlette's GZip responder.
 
-    A watcher task listens for the client's disconnect from the moment the request
-    body has been read until the last byte is out, and cancels this exchange, so an
-    abandoned request is closed upstream whether the server is still thinking (no
-    headers yet) or streaming. Plain asyncio, not a task group: the upstream client
-    is an asyncio Protocol (pool.py), so the loop is asyncio's anyway, and this runs
-    once per request.
+    From the moment the request body has been read until the last byte is out, the
+    client's disconnect cancels this exchange, so an abandoned request is closed
+    upstream whether the server is still thinking (no headers yet) or streaming. Under
+    ``modalgate serve`` the server's protocol calls back (``ON_CLIENT_GONE``); under
+    other servers a watcher task waits on ``receive`` for ``http.disconnect``. Plain
+    asyncio, not a task group: the upstream client is an asyncio Protocol (pool.py), so
+    the loop is asyncio's anyway, and this runs once per request.
     """
 
     def __init__(
@@ -177,6 +179,7 @@ class _Exchange:
         self.finished = False  # the last byte is out: a disconnect now is the normal end
         self._task: asyncio.Task[Any] | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._unwatch: Callable[[], None] | None = None  # forgets the serve protocol's callback
         self._watcher_cancelled = False
 
     async def run(self, fail_over: bool) -> bool:
@@ -191,16 +194,26 @@ class _Exchange:
         finally:
             if self._watcher is not None:
                 self._watcher.cancel()
+            if self._unwatch is not None:
+                self._unwatch()
         logger.info("client disconnected; upstream request closed")
         return True
 
     def _watch_for_disconnect(self) -> None:
-        if self._watcher is None:
+        if self._watcher is not None or self._unwatch is not None:
+            return
+        call_when_gone = self.scope.get("extensions", {}).get(ON_CLIENT_GONE)
+        if call_when_gone is not None:  # modalgate serve's protocol tells us, no task needed
+            self._unwatch = call_when_gone(self._client_left)
+        else:
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
         while (await self.receive())["type"] != "http.disconnect":
             pass
+        self._client_left()
+
+    def _client_left(self) -> None:
         if not self.finished and self._task is not None:
             self.client_gone = self._watcher_cancelled = True
             self._task.cancel()

@@ -17,7 +17,11 @@ import pytest
 
 from conftest import chat, data_url, free_port, image_bytes, serve
 from gateway_proc import GatewayProcess, metric, raw_http
+from modalgate.gateway.app import create_app
+from modalgate.gateway.http_protocol import ServeHttpProtocol
+from modalgate.gateway.upstream.proxy import _Exchange
 from modalgate.policy.models import DEFAULT_ENDPOINTS
+from modalgate.settings import GatewaySettings
 from toy_upstream import Behaviour, ToyUpstream
 
 HOP_BY_HOP_SENT = {"te": "trailers", "keep-alive": "timeout=5", "x-drop-me": "1"}
@@ -266,6 +270,36 @@ def test_client_disconnect_before_the_answer_closes_the_upstream_request(gateway
         lambda r: r.get("request_id") == "gives-up-early" and r.get("logger") == "modalgate.proxy"
     )
     assert line["event"] == "client disconnected; upstream request closed"
+
+
+@pytest.mark.parametrize("protocol", ["httptools", "serve"])
+def test_the_disconnect_is_heard_under_serves_protocol_and_under_plain_uvicorn(
+    upstream, toy, protocol, monkeypatch
+):
+    """serve's protocol calls back when the client goes (no watcher task); plain uvicorn
+    has no such callback, and a task waiting on ``receive`` hears it instead. Either way
+    the abandoned upstream stream is closed."""
+    watchers: list[object] = []
+    real_watch = _Exchange._watch
+
+    async def counted_watch(self) -> None:
+        watchers.append(self)
+        await real_watch(self)
+
+    monkeypatch.setattr(_Exchange, "_watch", counted_watch)
+    _, base = upstream
+    app = create_app(settings=GatewaySettings(upstream=base))
+    http = ServeHttpProtocol if protocol == "serve" else "httptools"
+    toy.behaviour = Behaviour(tokens=20, token_delay_s=0.2)
+    request = chat({"type": "text", "text": "hi"}, stream=True)
+    with serve(app, http=http) as url:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=request) as response:
+            assert next(response.iter_raw()).startswith(b"data: ")
+        deadline = time.monotonic() + 5
+        while toy.streams_cancelled == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert toy.streams_cancelled == 1 and len(toy.token_sent_at) < 20
+    assert len(watchers) == (0 if protocol == "serve" else 1)
 
 
 def test_request_id_round_trips(gateway, toy):
