@@ -221,6 +221,22 @@ class Connection(asyncio.Protocol):
     def write(self, data: bytes) -> None:
         self._transport.write(data)  # type: ignore[union-attr]
 
+    async def send_whole(self, head: bytes, body: bytes, timeout: float | None) -> None:
+        """A body already in memory, sent with the head in one call (no copy, no upload
+        task), then waited on while the upstream has not taken it: each wait for the
+        transport to drain within ``timeout``, as a streamed body's chunks are. An answer
+        arriving first ends the wait (an early 413), as it ends a stream."""
+        self._transport.writelines((head, body))  # type: ignore[union-attr]
+        while self._write_paused and self.open and not self.head_done:
+            if not await self._wait_drain(timeout):
+                self.abort()
+                raise httpx.WriteTimeout("the upstream stopped reading the request body")
+        if self._write_paused:
+            self._cut = True  # answered with our body still going out: not reused
+        if not self.open and not self.head_done:
+            self._raise()
+            raise httpx.WriteError("the upstream closed the connection during the upload")
+
     def start_upload(
         self,
         content: AsyncIterable[bytes],

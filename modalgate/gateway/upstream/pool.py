@@ -38,6 +38,9 @@ from modalgate.gateway.upstream.http1 import Connection, connect, encode_head
 
 # Under the usual 5 s keep-alive of uvicorn (vLLM, SGLang): we drop first.
 KEEPALIVE_EXPIRY_S = 4.0
+# A body in memory up to this size is joined to the head and sent in one write; a
+# bigger one goes with it in one writelines call (no copy), its drain timed.
+JOIN_MAX_BYTES = 64 * 1024
 
 # A request that failed on a reused connection before any response byte: the peer
 # closed it as we sent (its keep-alive ran out), so the request never reached it.
@@ -170,7 +173,10 @@ class UpstreamPool(httpx.AsyncBaseTransport):
                 content = (
                     b"%x\r\n%b\r\n0\r\n\r\n" % (len(content), content) if content else b"0\r\n\r\n"
                 )
-            conn.write(head + content)  # one write: the body rides with the headers
+            if len(content) <= JOIN_MAX_BYTES:
+                conn.write(head + content)  # one write: the body rides with the headers
+            else:
+                await conn.send_whole(head, content, timeouts.get("write"))
         else:
             conn.write(head)
             conn.start_upload(content, length, chunked, timeouts.get("write"))

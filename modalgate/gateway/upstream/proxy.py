@@ -48,11 +48,6 @@ HOP_BY_HOP = frozenset(
 # Request headers the proxy sets itself: Host is the upstream's.
 _REPLACED_REQUEST = frozenset({b"host"})
 _BODY_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
-# A body that arrives whole in one message (one the gate read, or any small one) goes
-# upstream as bytes up to this size: one write with the headers, no stream, no write
-# timer. Under the client's 64 KiB write buffer, a write never waits on the upstream,
-# so the write timeout has nothing to time there.
-WHOLE_BODY_MAX_BYTES = 64 * 1024
 
 # (seconds to the response's start, status or None, error code or None, route name)
 UpstreamObserver = Callable[[float, "int | None", "str | None", str], None]
@@ -219,12 +214,14 @@ class _Exchange:
             self._task.cancel()
 
     async def _content(self) -> bytes | AsyncIterator[bytes]:
-        """The request body: bytes when it came whole in one small message, else a stream."""
+        """The request body: bytes when it came whole in one message (one the gate read,
+        one serve's protocol held, any small one; pool.py sends it without a stream),
+        else a stream."""
         message = await self.receive()
         if message["type"] == "http.disconnect":
             raise ClientGone
         chunk = message.get("body", b"")
-        if chunk and len(chunk) <= WHOLE_BODY_MAX_BYTES and not message.get("more_body", False):
+        if chunk and not message.get("more_body", False):
             self._watch_for_disconnect()
             return chunk
         return self._body(message)

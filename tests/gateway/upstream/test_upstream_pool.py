@@ -821,11 +821,12 @@ async def chunks(*parts: bytes) -> AsyncIterator[bytes]:
     [
         (b"{}", [], b"content-length: 2", b"{}"),
         (b"{}", [(b"Content-Length", b"2")], b"Content-Length: 2", b"{}"),
+        (b"x" * 200_000, [], b"content-length: 200000", b"x" * 200_000),
         (chunks(b"ab", b"", b"cd"), [], b"transfer-encoding: chunked", b"abcd"),
         (chunks(b"ab", b"cdef"), [(b"content-length", b"3")], b"content-length: 3", b"abc"),
         (None, [], None, b""),
     ],
-    ids=["bytes", "bytes-with-length", "stream", "stream-clipped", "none"],
+    ids=["bytes", "bytes-with-length", "big-bytes", "stream", "stream-clipped", "none"],
 )
 def test_the_request_goes_out_as_given_with_only_its_framing_added(content, headers, framing, body):
     async def main():
@@ -860,14 +861,16 @@ def test_an_answer_before_the_upload_ends_is_returned_and_the_connection_dropped
             yield b"x" * 1000
             await asyncio.sleep(0.02)
 
-    async def main():
+    async def main(content: object):
         async with raw(early) as server:
             pool = UpstreamPool(server.url, 4)
-            status, _, body = await fetch(pool, b"POST", slow())
+            status, _, body = await fetch(pool, b"POST", content)
             assert (await fetch(pool))[2] == b"ok"
             return status, body, server.connections
 
-    assert asyncio.run(main()) == (413, b"big", 2)
+    assert asyncio.run(main(slow())) == (413, b"big", 2)
+    # A body in memory, more than the sockets hold: the answer ends the wait on it.
+    assert asyncio.run(main(b"x" * 20_000_000)) == (413, b"big", 2)
 
 
 def test_an_answer_comes_back_while_the_clients_upload_stalls():
@@ -908,16 +911,17 @@ def test_an_upstream_that_stops_reading_the_body_is_a_write_timeout():
         while True:
             yield b"x" * 65536
 
-    async def main():
+    async def main(content: object):
         async with raw(wedged) as server:
             pool = UpstreamPool(server.url, 4)
             started = time.monotonic()
             with pytest.raises(httpx.WriteTimeout):
-                await fetch(pool, b"POST", endless(), timeouts={**TIMEOUTS, "write": 0.3})
+                await fetch(pool, b"POST", content, timeouts={**TIMEOUTS, "write": 0.3})
             assert free_slots(pool) == 4 and pool._idle == []
             return time.monotonic() - started
 
-    assert asyncio.run(main()) < 5
+    assert asyncio.run(main(endless())) < 5
+    assert asyncio.run(main(b"x" * 20_000_000)) < 5  # a body in memory: its drain is timed
 
 
 def test_a_client_gone_mid_upload_aborts_the_upstream_request():
