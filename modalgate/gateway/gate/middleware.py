@@ -380,6 +380,9 @@ def _has_body(scope: Scope) -> bool:
     return False
 
 
+_BODY_HEADERS = frozenset((b"content-type", b"content-length", b"content-encoding"))
+
+
 def _header_refusal(
     headers: Iterable[tuple[bytes, bytes]], cap: int, short: int = 0
 ) -> Violation | None:
@@ -389,11 +392,13 @@ def _header_refusal(
     (~1,100 instructions)."""
     content_type = encoding = length = None
     for name, value in headers:
+        if name not in _BODY_HEADERS:  # one hash lookup for the many headers that are not
+            continue
         if name == b"content-type":
             content_type = value
         elif name == b"content-length":
             length = value
-        elif name == b"content-encoding":
+        else:
             encoding = value
     if content_type is not None and content_type != b"application/json":
         main = content_type.split(b";", 1)[0].strip().lower()
