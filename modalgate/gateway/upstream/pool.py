@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections.abc import AsyncIterable, AsyncIterator
 
 import anyio
@@ -130,13 +131,13 @@ class UpstreamPool(httpx.AsyncBaseTransport):
             head, length, chunked = encode_head(method, target, headers, content)
             conn = self._take_idle()
             if conn is not None:
-                sent_at = _loop().time()
+                sent_at = time.monotonic()
                 try:
                     await self._exchange(conn, method, head, content, length, chunked, timeouts)
                     return UpstreamResponse(self, conn, timeouts.get("read"))
                 except _STALE:
                     conn.close()
-                    if not _may_send_again(conn, method, content, _loop().time() - sent_at):
+                    if not _may_send_again(conn, method, content, time.monotonic() - sent_at):
                         raise
                 except BaseException:
                     conn.close()
@@ -189,7 +190,7 @@ class UpstreamPool(httpx.AsyncBaseTransport):
             conn = idle.pop()
             if not conn.open:
                 continue  # the peer closed it while idle
-            if _loop().time() - conn.idle_since > KEEPALIVE_EXPIRY_S:
+            if time.monotonic() - conn.idle_since > KEEPALIVE_EXPIRY_S:
                 # The freshest is stale, so all are: the upstream may be closing them now.
                 conn.close()
                 for older in idle:
@@ -203,7 +204,7 @@ class UpstreamPool(httpx.AsyncBaseTransport):
         """The response is closed: its connection back to the pool if reusable, and its slot."""
         try:
             if conn.finish() and not self._closed:
-                conn.idle_since = _loop().time()
+                conn.idle_since = time.monotonic()
                 self._idle.append(conn)
             else:
                 conn.close()
