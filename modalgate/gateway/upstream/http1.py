@@ -31,6 +31,7 @@ READ_LOW_WATER = 16 * 1024
 # A response head (or trailers) larger than this is refused: llhttp sets no limit.
 MAX_HEAD_BYTES = 256 * 1024
 _LAST_CHUNK = b"0\r\n\r\n"
+_timeout = getattr(asyncio, "timeout", None)  # 3.11+
 
 
 class _Unasked(Exception):
@@ -450,17 +451,21 @@ async def connect(
     timeout: float | None,
 ) -> Connection:
     """A new connection, TLS when ``ssl_context`` is given (the host's name verified)."""
+    opening = loop.create_connection(
+        lambda: Connection(loop),
+        host,
+        port,
+        ssl=ssl_context,
+        server_hostname=host if ssl_context is not None else None,
+    )
     try:
-        _, protocol = await asyncio.wait_for(
-            loop.create_connection(
-                lambda: Connection(loop),
-                host,
-                port,
-                ssl=ssl_context,
-                server_hostname=host if ssl_context is not None else None,
-            ),
-            timeout,
-        )
+        if _timeout is None:  # Python 3.10
+            _, protocol = await asyncio.wait_for(opening, timeout)
+        else:
+            # Not wait_for: on 3.11 it returns the connection, dropping a cancel that
+            # arrives as the connection is made (the client gone, the exchange over).
+            async with _timeout(timeout):
+                _, protocol = await opening
     except asyncio.TimeoutError:
         raise httpx.ConnectTimeout("the upstream did not accept a connection in time") from None
     except OSError as exc:  # refused, unreachable, unresolvable, a TLS certificate refused

@@ -1067,6 +1067,33 @@ def test_a_refused_connection_is_a_connect_error():
     asyncio.run(main())
 
 
+@pytest.mark.skipif(not hasattr(asyncio, "timeout"), reason="3.10 has only wait_for")
+def test_a_cancel_that_arrives_as_the_connection_is_made_is_not_lost():
+    """asyncio.wait_for (3.11) returns the inner result when the cancel and the result
+    meet; connect() would then hand a connection to an exchange already called off."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        made = loop.create_future()
+
+        class HeldOpen:  # the loop as connect() sees it, its connection made by the test
+            def __getattr__(self, name: str) -> object:
+                return getattr(loop, name)
+
+            async def create_connection(self, *args: object, **kwargs: object) -> object:
+                return await made
+
+        task = asyncio.ensure_future(http1_module.connect(HeldOpen(), "up", 80, None, 10))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        made.set_result((None, http1_module.Connection(loop)))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+
+
 def test_a_connection_never_accepted_is_a_connect_timeout():
     # A listener whose backlog is full: the kernel drops further SYNs, so connect hangs.
     listener = socket.socket()
