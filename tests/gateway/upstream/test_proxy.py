@@ -20,6 +20,7 @@ from gateway_proc import GatewayProcess, metric, raw_http
 from modalgate.gateway.app import create_app
 from modalgate.gateway.http_protocol import ServeHttpProtocol
 from modalgate.gateway.upstream.proxy import _Exchange
+from modalgate.policy import parse_policy
 from modalgate.policy.models import DEFAULT_ENDPOINTS
 from modalgate.settings import GatewaySettings
 from toy_upstream import Behaviour, ToyUpstream
@@ -300,6 +301,48 @@ def test_the_disconnect_is_heard_under_serves_protocol_and_under_plain_uvicorn(
             time.sleep(0.05)
     assert toy.streams_cancelled == 1 and len(toy.token_sent_at) < 20
     assert len(watchers) == (0 if protocol == "serve" else 1)
+
+
+@pytest.mark.parametrize(("protocol", "started_while_stalled"), [("serve", 0), ("httptools", 1)])
+def test_a_stalled_upload_of_declared_length_reaches_the_upstream_only_when_whole(
+    protocol, started_while_stalled
+):
+    """serve's protocol holds a body of declared length until it is whole, so a client
+    that stops half way ties up its own connection only, not an upstream one; plain
+    uvicorn hands the first part on, and a forwarded path opens the upstream request."""
+    toy = ToyUpstream()
+    arrived: list[str] = []
+    inner = toy.app()
+
+    async def counting(scope, receive, send) -> None:
+        if scope["type"] == "http":
+            arrived.append(scope["path"])  # the request's head, before its body
+        await inner(scope, receive, send)
+
+    body = b"x" * 200_000
+    head = (
+        "POST /echo/upload HTTP/1.1\r\nhost: gw\r\n"
+        f"content-type: application/octet-stream\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode()
+    policy = {"extends": "builtin", "endpoints": {**DEFAULT_ENDPOINTS, "/echo/*": "forward"}}
+    with serve(counting) as upstream_url:
+        settings = GatewaySettings(upstream=upstream_url)
+        app = create_app(parse_policy(orjson.dumps(policy).decode(), fmt="json"), settings=settings)
+        http = ServeHttpProtocol if protocol == "serve" else "httptools"
+        with serve(app, http=http) as url:
+            arrived.clear()  # the gateway's look at /v1/models at start
+            address = httpx.URL(url)
+            with socket.create_connection((address.host, address.port), timeout=10) as sock:
+                sock.sendall(head + body[:100_000])
+                time.sleep(0.5)
+                stalled = [path for path in arrived if path == "/echo/upload"]
+                sock.sendall(body[100_000:])
+                answer = b""
+                while not answer.endswith(b"}") and (chunk := sock.recv(65536)):
+                    answer += chunk
+    assert len(stalled) == started_while_stalled
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    assert toy.received[-1].body == body
 
 
 def test_request_id_round_trips(gateway, toy):
