@@ -15,11 +15,14 @@ import orjson
 
 from modalgate.errors import error_body
 from modalgate.policy import Policy, PolicyError, RuleMatcher, load_policy, policy_json_schema
-from modalgate.settings import GatewaySettings, flag_name
+from modalgate.settings import Engine, EngineSpec, GatewaySettings, flag_name
 from modalgate.validators import Verdict
+from modalgate.validators.dialects import dialect_for
 from modalgate.validators.request import Api
 
 EXIT_OK, EXIT_REJECTED, EXIT_USAGE = 0, 1, 2
+# vLLM's flags that change how it parses requests (``validate --engine vllm`` takes them).
+VLLM_PARSING_FLAGS = ("enable_mm_embeds", "enable_prompt_embeds", "trust_request_mm_kwargs")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -65,6 +68,18 @@ def _parser() -> argparse.ArgumentParser:
         " or one of the other kinds of the policy's endpoints (docs/policy.md)",
     )
     _policy_args(validate)
+    validate.add_argument(
+        "--engine",
+        choices=get_args(Engine),
+        help="read content parts as this server does, as the gate in front of it would "
+        "(default: a rule's own engine, else openai)",
+    )
+    for vllm_flag in VLLM_PARSING_FLAGS:
+        validate.add_argument(
+            flag_name(vllm_flag),
+            action="store_true",
+            help=f"with --engine vllm: vLLM started with {flag_name(vllm_flag)}",
+        )
     validate.set_defaults(run=_validate)
 
     check = commands.add_parser("check", help="check a policy file; exit 0 valid, 1 invalid")
@@ -174,16 +189,29 @@ def _decided(body: bytes, policy: Policy, args: argparse.Namespace) -> Verdict:
     from modalgate.gateway.gate.pipeline import Decider
     from modalgate.gateway.gate.remote_media import MediaStage
 
+    engine = _engine(args)
+
     async def decide() -> Verdict:
         media = MediaStage(policy.media_urls) if args.fetch else None
         try:
-            decider = Decider(RuleMatcher(policy, args.mode), media, enforce=True)  # no shadow
+            # A rule's own ``engine`` wins, as in the gateway; else --engine; else openai.
+            dialect = (lambda rule: dialect_for(rule.engine or engine)) if engine else None
+            matcher = RuleMatcher(policy, args.mode)
+            decider = Decider(matcher, media, enforce=True, dialect=dialect)  # no shadow
             return (await decider.decide(body, args.api)).verdict
         finally:
             if media is not None:
                 await media.aclose()
 
     return anyio.run(decide)
+
+
+def _engine(args: argparse.Namespace) -> EngineSpec | None:
+    """The server ``validate`` judges for: ``--engine``, with vLLM's parsing flags."""
+    if args.engine is None:
+        return None
+    flags = {name: getattr(args, name) for name in VLLM_PARSING_FLAGS}
+    return EngineSpec(name=args.engine, **(flags if args.engine == "vllm" else {}))
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -143,6 +143,38 @@ def test_validate_video_to_a_video_model_is_accepted(tmp_path: Path) -> None:
     assert [(m["modality"], m["format"]) for m in media] == [("video", "mp4")]
 
 
+def test_validate_reads_parts_as_the_engine_named(tmp_path: Path) -> None:
+    """--engine: the verdict of the gate in front of that server (docs/policy.md's dialect
+    table): SGLang takes ``detail: default``, which OpenAI's schema refuses."""
+    url = data_url(image_bytes())
+    image = {"type": "image_url", "image_url": {"url": url, "detail": "default"}}
+    file = tmp_path / "detail.json"
+    file.write_bytes(body(chat(image)))
+    refused = run("validate", str(file))
+    assert refused.returncode == 1
+    error = json.loads(refused.stdout)["error"]
+    assert error["code"] == "invalid_request"
+    assert error["param"] == "messages.[0].content.[0].image_url.detail"
+    assert run("validate", str(file), "--engine", "sglang").returncode == 0
+    assert run("validate", str(file), "--engine", "openai").returncode == 1
+
+
+def test_validate_takes_vllms_parsing_flags(tmp_path: Path) -> None:
+    """vLLM refuses per-request processor kwargs unless started with
+    --trust-request-mm-kwargs; the flag applies with --engine vllm only."""
+    file = tmp_path / "kwargs.json"
+    file.write_bytes(body(chat(mm_processor_kwargs={"max_pixels": 1_000_000})))
+    assert run("validate", str(file)).returncode == 0  # openai: taken
+    refused = run("validate", str(file), "--engine", "vllm")
+    assert refused.returncode == 1
+    assert json.loads(refused.stdout)["error"]["param"] == "mm_processor_kwargs"
+    trusted = run("validate", str(file), "--engine", "vllm", "--trust-request-mm-kwargs")
+    assert trusted.returncode == 0
+    bad = run("validate", str(file), "--engine", "tgi")
+    assert bad.returncode == 2 and "invalid choice: 'tgi'" in bad.stderr
+    _no_traceback(bad)
+
+
 def test_validate_invalid_json_is_rejected_not_a_usage_error(tmp_path: Path) -> None:
     file = tmp_path / "broken.json"
     file.write_text('{"model": "kimi-k3", "messages": [', encoding="utf-8")
