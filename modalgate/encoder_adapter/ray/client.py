@@ -179,7 +179,10 @@ class RayServeEncoder:
 
     def _watch(self) -> None:
         while not self._stop.wait(self.health_interval_s):
-            self._healthy = self._probe()
+            try:
+                self._healthy = self._probe()
+            except SystemExit:  # Ray's own, from a call made while it shuts down here
+                return
 
     def _probe(self) -> bool:
         """At least one RUNNING replica, or an app the autoscaler scaled to zero on purpose

@@ -489,3 +489,26 @@ def pybase64_decode(text: str) -> bytes:
     import pybase64
 
     return pybase64.b64decode(text)
+
+
+def test_the_health_watch_ends_quietly_when_ray_shuts_down(monkeypatch):
+    """A status call made while Ray shuts down in this process raises Ray's SystemExit
+    in the watching thread: the watch ends there, with no traceback."""
+    import threading
+
+    encoder = RayServeEncoder.__new__(RayServeEncoder)  # the watch alone, no cluster
+    encoder._stop = threading.Event()
+    encoder.health_interval_s = 0.01
+    probes: list[int] = []
+
+    def shutting_down() -> bool:
+        probes.append(1)
+        raise SystemExit(0)
+
+    encoder._probe = shutting_down
+    uncaught: list[object] = []
+    monkeypatch.setattr(threading, "excepthook", uncaught.append)
+    watch = threading.Thread(target=encoder._watch)
+    watch.start()
+    watch.join(10)
+    assert not watch.is_alive() and probes == [1] and uncaught == []
