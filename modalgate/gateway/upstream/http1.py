@@ -6,10 +6,10 @@ as llhttp parses it, timeouts between two reads and per body chunk written, and
 backpressure both ways (asyncio's flow control out, ``pause_reading`` in). Every
 failure leaves here as an httpx exception, the family the proxy maps to 502/504.
 
-One coroutine at a time waits on a connection (the request's task, then whoever
-reads the body; a streamed upload's task, while the request's waits on the head), so
-one waiter future serves reads and drains alike: every event (data, end of file,
-writable again, the upload's end) wakes it and the loop re-checks its condition.
+Whoever waits on a connection (the request's task, then whoever reads the body; a
+streamed upload's task, while the request's waits on the head) waits on a future of its
+own: every event (data, end of file, writable again, the upload's end) wakes them all,
+and each loop re-checks its own condition.
 """
 
 from __future__ import annotations
@@ -83,8 +83,7 @@ class Connection(asyncio.Protocol):
         self._loop = loop
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
-        self._waiter: asyncio.Future[bool] | None = None
-        self._drain: asyncio.Future[bool] | None = None
+        self._waiters: list[asyncio.Future[bool]] = []  # one a waiting coroutine
         self._write_paused = False
         self._reading_paused = False
         self.open = True  # False once either side closed it: never used again
@@ -228,15 +227,14 @@ class Connection(asyncio.Protocol):
         transport to drain within ``timeout``, as a streamed body's chunks are. An answer
         arriving first ends the wait (an early 413), as it ends a stream."""
         self._transport.writelines((head, body))  # type: ignore[union-attr]
-        while self._write_paused and self.open and not self.head_done:
-            if not await self._wait_drain(timeout):
-                self.abort()
-                raise httpx.WriteTimeout("the upstream stopped reading the request body")
+        try:
+            await self._until_taken(timeout)
+        except httpx.WriteTimeout:
+            self.abort()  # a graceful close would wait on unsent bytes the peer does not take
+            raise
         if self._write_paused:
             self._cut = True  # answered with our body still going out: not reused
-        if not self.open and not self.head_done:
-            self._raise()
-            raise httpx.WriteError("the upstream closed the connection during the upload")
+        self._raise_if_closed_mid_upload()
 
     def start_upload(
         self,
@@ -294,15 +292,23 @@ class Connection(asyncio.Protocol):
             if chunked:
                 chunk = b"%x\r\n%b\r\n" % (len(chunk), chunk)
             self.write(chunk)
-            while self._write_paused and self.open and not self.head_done:
-                if not await self._wait_drain(timeout):  # aborted by _send_stream
-                    raise httpx.WriteTimeout("the upstream stopped reading the request body")
+            await self._until_taken(timeout)  # on a timeout, _send_stream aborts
         else:
             if remaining:  # the upstream would take the next request as the rest of this one
                 self._cut = True
                 raise httpx.LocalProtocolError("the request body ended before its Content-Length")
             if chunked and self.open:
                 self.write(_LAST_CHUNK)
+        self._raise_if_closed_mid_upload()
+
+    async def _until_taken(self, timeout: float | None) -> None:
+        """While the transport holds what we wrote and the upstream has not answered:
+        each wait for it to drain within ``timeout``."""
+        while self._write_paused and self.open and not self.head_done:
+            if not await self._wait(timeout):
+                raise httpx.WriteTimeout("the upstream stopped reading the request body")
+
+    def _raise_if_closed_mid_upload(self) -> None:
         if not self.open and not self.head_done:
             self._raise()
             raise httpx.WriteError("the upstream closed the connection during the upload")
@@ -349,27 +355,20 @@ class Connection(asyncio.Protocol):
 
     async def _wait(self, timeout: float | None) -> bool:
         """Until the next event; False if ``timeout`` passed first."""
-        waiter = self._waiter = self._loop.create_future()
+        waiter: asyncio.Future[bool] = self._loop.create_future()
+        timer = None if timeout is None else self._loop.call_later(timeout, _expire, waiter)
+        self._waiters.append(waiter)
         try:
-            return await _within(self._loop, waiter, timeout)
+            return await waiter
         finally:
-            self._waiter = None
-
-    async def _wait_drain(self, timeout: float | None) -> bool:
-        """The upload's own wait (the head's waiter may be pending at the same time)."""
-        waiter = self._drain = self._loop.create_future()
-        try:
-            return await _within(self._loop, waiter, timeout)
-        finally:
-            self._drain = None
+            self._waiters.remove(waiter)
+            if timer is not None:
+                timer.cancel()
 
     def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(True)
-        drain = self._drain
-        if drain is not None and not drain.done():
-            drain.set_result(True)
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(True)
 
     def _end_message(self, keep_alive: bool) -> None:
         self.complete = True
@@ -424,18 +423,6 @@ class ConnectFailure(Exception):
     def __init__(self, os_error: OSError) -> None:
         super().__init__(os_error)
         self.os_error = os_error
-
-
-async def _within(
-    loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[bool], timeout: float | None
-) -> bool:
-    """``waiter``'s result, or False once ``timeout`` has passed."""
-    timer = None if timeout is None else loop.call_later(timeout, _expire, waiter)
-    try:
-        return await waiter
-    finally:
-        if timer is not None:
-            timer.cancel()
 
 
 def _expire(waiter: asyncio.Future[bool]) -> None:
