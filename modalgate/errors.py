@@ -42,6 +42,7 @@ class ErrorCode(str, Enum):
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     INVALID_API_KEY = "invalid_api_key"
+    REQUEST_TIMEOUT = "request_timeout"
 
     def __str__(self) -> str:
         return self.value
@@ -74,6 +75,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
     ErrorCode.INVALID_API_KEY: 401,
+    ErrorCode.REQUEST_TIMEOUT: 408,
 }
 
 # OpenAI's `type` field: client mistakes vs. our side failing.

@@ -164,6 +164,12 @@ class GatewaySettings(BaseSettings):
         description="worker processes sharing the port (one /metrics for all of them)",
         json_schema_extra=_flag("N"),
     )
+    client_timeout_s: Seconds = Field(
+        60.0,
+        description="the longest silence from a client while its request is read (headers"
+        " and body): 408 request_timeout past it, and the connection closed",
+        json_schema_extra=_flag("S"),
+    )
     upstream_connect_timeout_s: Seconds = Field(
         5.0, description="connecting to an upstream", json_schema_extra=_flag("S")
     )

@@ -26,6 +26,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ from modalgate.encoder_adapter import BatchSettings
 from modalgate.encoder_adapter.towers.local_adapter import LocalImageAdapter, Output
 from modalgate.errors import STATUS, ErrorCode, error_body, error_type, status_of
 from modalgate.gateway.app import create_app
+from modalgate.gateway.http_protocol import ServeHttpProtocol
 from modalgate.policy import RuleMatcher, load_policy, parse_policy
 from modalgate.settings import GatewaySettings
 from modalgate.validators import validate_body
@@ -226,6 +228,9 @@ class Lab:
         elif name == "encoder-full":  # a queue of size 0 is always full
             encoder = FailingEncoder(BatchSettings(max_queue=0))
             app = create_app(policy=None, mode="encoder", encoder=encoder)
+        elif name == "impatient":  # modalgate serve's protocol, with a 1 s client timeout
+            protocol = partial(ServeHttpProtocol, read_timeout_s=1)
+            return self.stack.enter_context(serve(create_app(policy=None), http=protocol))
         else:
             raise KeyError(name)
         return self.stack.enter_context(serve(app))
@@ -255,6 +260,19 @@ class Lab:
             return Produced(response.status, json.loads(response.read()), dict(response.headers))
         finally:
             connection.close()
+
+    def stall(self, name: str, where: str) -> Produced:
+        """POST headers and part of the body they declare, then nothing more."""
+        with socket.create_connection(parse_url(self.url(name)), timeout=10) as sock:
+            head = f"POST {where} HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+            sock.sendall(head.encode() + b'content-length: 100\r\n\r\n{"model":')
+            response = b""
+            while chunk := sock.recv(65536):
+                response += chunk
+        head_bytes, _, body = response.partition(b"\r\n\r\n")
+        lines = head_bytes.decode("latin-1").split("\r\n")
+        headers = dict(line.split(": ", 1) for line in lines[1:])
+        return Produced(int(lines[0].split()[1]), json.loads(body), headers)
 
     def last_stream_event(self, name: str, request: dict[str, Any]) -> Produced:
         """The last SSE event of a streamed completion (an error once the stream started)."""
@@ -379,6 +397,9 @@ EXAMPLES: dict[str, list[Producer]] = {
     ],
     "invalid_api_key": [
         lambda lab: lab.send("locked", "POST", "/v1/chat/completions", chat()),
+    ],
+    "request_timeout": [
+        lambda lab: lab.stall("impatient", "/v1/chat/completions"),
     ],
 }
 

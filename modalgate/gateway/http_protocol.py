@@ -19,6 +19,13 @@ same turn of the event loop; writes made in one turn here leave together at the 
 of it (what Envoy and nginx do with their write buffers): ~9% less CPU per small
 proxied request under ``modalgate serve`` (``benchmarks/p7_proxies.py``, text body).
 
+A client that goes silent while its request is being read (headers or body) is
+answered ``408 request_timeout`` once nothing has arrived for ``read_timeout_s``, and
+the connection closed: uvicorn times out only the wait between requests, so a
+client sending a byte now and then (slowloris) would hold its connection and the
+body read so far for ever. Connections that never start a request are closed
+quietly after as long.
+
 Used by ``modalgate serve``; other servers hosting the app write as they do.
 """
 
@@ -27,11 +34,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from contextlib import suppress
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+from modalgate.errors import ErrorCode, Violation, error_json
 
 # Past this many bytes held, writes go out at once: a fast upstream's stream
 # must not pile up here while the loop turn goes on.
@@ -136,12 +145,58 @@ class _BodySoFar:
 
 class ServeHttpProtocol(CoalescingHttpToolsProtocol):
     """``modalgate serve``'s protocol: request bodies whole (above), writes coalesced,
-    and the client's going away told by a callback (``ON_CLIENT_GONE``)."""
+    the client's going away told by a callback (``ON_CLIENT_GONE``), and a silent
+    client timed out while its request is read (``read_timeout_s``; None: never)."""
+
+    def __init__(self, *args: Any, read_timeout_s: float | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.read_timeout_s = read_timeout_s
+        self._reading = True  # a request (the connection's first, or one begun) is due
+        self._request_begun = False
+        self._cycle_before: RequestResponseCycle | None = None  # the last request's
+        self._last_read = 0.0
+        self._read_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._gone = False
         self._on_gone: list[Callable[[], object]] = []
+        if self.read_timeout_s is not None:
+            self._last_read = self.loop.time()
+            self._read_timer = self.loop.call_later(self.read_timeout_s, self._check_reading)
+
+    def data_received(self, data: bytes) -> None:
+        self._last_read = self.loop.time()
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        self._cycle_before = self.cycle
+        super().on_message_begin()
+        self._reading = self._request_begun = True
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._reading = self._request_begun = False
+
+    def _check_reading(self) -> None:
+        """One timer per connection, re-armed as it fires (no timer made per request):
+        the client has gone silent for ``read_timeout_s`` while a request is due, or the
+        timer is set for the time left."""
+        assert self.read_timeout_s is not None
+        self._read_timer = None
+        if self._gone or self.transport.is_closing() or self.transport.get_protocol() is not self:
+            return  # closed, or upgraded to a websocket
+        silent_for = self.loop.time() - self._last_read
+        if not self._reading or self.flow.read_paused or silent_for < self.read_timeout_s:
+            # Between requests uvicorn's keep-alive timeout rules; paused: we stopped reading.
+            wait = self.read_timeout_s if not self._reading else self.read_timeout_s - silent_for
+            self._read_timer = self.loop.call_later(max(wait, 0.001), self._check_reading)
+            return
+        # This request's cycle (its headers are in) may have answered already: then no 408.
+        cycle = self.cycle if self.cycle is not self._cycle_before else None
+        if self._request_begun and (cycle is None or not cycle.response_started):
+            self.transport.write(_timed_out_response(self.read_timeout_s))
+        self.transport.close()  # the app waiting for the body hears http.disconnect
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
@@ -159,6 +214,9 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self._gone = True
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
         callbacks, self._on_gone = self._on_gone, []
         for callback in callbacks:
             callback()
@@ -176,6 +234,24 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
         if so_far.size > HIGH_WATER_LIMIT:
             self.flow.pause_reading()
         cycle.message_event.set()
+
+
+@lru_cache(maxsize=8)
+def _timed_out_response(timeout_s: float) -> bytes:
+    """The whole 408 answer, in the error envelope; the connection closes after it."""
+    body = error_json(
+        [
+            Violation(
+                ErrorCode.REQUEST_TIMEOUT,
+                f"the request did not arrive in full: nothing came for {timeout_s:g} s",
+            )
+        ]
+    )
+    head = (
+        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+    )
+    return head + body
 
 
 def _forget(callbacks: list[Callable[[], object]], callback: Callable[[], object]) -> None:

@@ -21,6 +21,7 @@ import gc
 import os
 import sys
 import tempfile
+from functools import partial
 from typing import Any
 
 import uvicorn
@@ -142,6 +143,7 @@ def _options(settings: GatewaySettings) -> dict[str, Any]:
         # X-Forwarded-For is passed on as a chain, not folded into the client address.
         "proxy_headers": False,
         "lifespan": "on",
-        # Request bodies whole, a small response in one write (gateway/http_protocol.py).
-        "http": ServeHttpProtocol,
+        # Request bodies whole, a small response in one write, a silent client timed out
+        # (gateway/http_protocol.py).
+        "http": partial(ServeHttpProtocol, read_timeout_s=settings.client_timeout_s),
     }

@@ -474,8 +474,8 @@ def test_serve_freezes_the_startup_heap_before_serving() -> None:
         "create_app()\n"
         "print('library', gc.get_freeze_count())\n"
         "uvicorn.run = lambda app, **options: print('serve', gc.get_freeze_count(),"
-        " options['http'].__name__)\n"
-        "sys.exit(cli.main(['serve', '--port', '0']))\n"
+        " options['http'].func.__name__, options['http'].keywords['read_timeout_s'])\n"
+        "sys.exit(cli.main(['serve', '--port', '0', '--client-timeout', '7.5']))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
@@ -483,8 +483,8 @@ def test_serve_freezes_the_startup_heap_before_serving() -> None:
     assert result.returncode == 0, result.stderr
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
     assert lines["library"] == "0"
-    frozen, protocol = lines["serve"].split()
-    assert int(frozen) > 10_000 and protocol == "ServeHttpProtocol"
+    frozen, protocol, read_timeout = lines["serve"].split()
+    assert int(frozen) > 10_000 and protocol == "ServeHttpProtocol" and read_timeout == "7.5"
 
 
 def test_serve_keeps_big_buffers_in_the_heap() -> None:

@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 
 import pytest
 import uvicorn
@@ -334,3 +335,121 @@ def test_a_callback_given_after_the_client_went_is_called_at_once():
         return called
 
     assert asyncio.run(main()) == ["late"]
+
+
+# ---------------------------------------------------------------- a client gone silent
+
+READ_TIMEOUT_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def impatient() -> Iterator[int]:
+    """The protocol with a short read timeout, and a keep-alive far longer than it."""
+    port = free_port()
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        http=partial(CountingProtocol, read_timeout_s=READ_TIMEOUT_S),
+        log_level="warning",
+        lifespan="off",
+        timeout_keep_alive=30,
+    )
+    instance = uvicorn.Server(config)
+    thread = threading.Thread(target=instance.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not instance.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    yield port
+    instance.should_exit = True
+    thread.join(10)
+
+
+def _until_closed(sock: socket.socket) -> tuple[bytes, float]:
+    """Everything the server sends until it closes, and how long that took."""
+    started = time.monotonic()
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data, time.monotonic() - started
+
+
+def _timed_out(response: bytes) -> dict:
+    head, _, body = response.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 408 Request Timeout", response[:200]
+    assert b"connection: close" in lines and b"content-type: application/json" in lines
+    assert f"content-length: {len(body)}".encode() in lines
+    return json.loads(body)["error"]
+
+
+TIMED_OUT = {
+    "message": "the request did not arrive in full: nothing came for 0.5 s",
+    "type": "invalid_request_error",
+    "param": None,
+    "code": "request_timeout",
+}
+
+
+def test_a_body_that_stops_arriving_is_answered_408_and_the_app_hears_a_disconnect(impatient):
+    DISCONNECTED.clear()
+    with socket.create_connection(("127.0.0.1", impatient)) as sock:
+        sock.settimeout(5)
+        sock.sendall(_post(1000) + b"x" * 100)
+        response, waited = _until_closed(sock)
+    error = _timed_out(response)
+    assert {key: error[key] for key in TIMED_OUT} == TIMED_OUT
+    assert READ_TIMEOUT_S * 0.8 < waited < READ_TIMEOUT_S + 2
+    assert DISCONNECTED.wait(5)  # the app waiting for the body is let go
+
+
+def test_headers_that_stop_arriving_are_answered_408(impatient):
+    with socket.create_connection(("127.0.0.1", impatient)) as sock:
+        sock.settimeout(5)
+        sock.sendall(b"POST /echo HTTP/1.1\r\nhost: t\r\ncontent-le")
+        response, _ = _until_closed(sock)
+    assert _timed_out(response)["code"] == "request_timeout"
+
+
+def test_a_slow_client_that_keeps_sending_is_not_timed_out(impatient):
+    """The timeout is the longest silence, not the time the whole request takes."""
+    body = b"0123456789" * 2
+    with socket.create_connection(("127.0.0.1", impatient)) as sock:
+        sock.settimeout(5)
+        sock.sendall(b"POST /echo HTTP/1.1\r\nhost: t\r\n")
+        time.sleep(READ_TIMEOUT_S * 0.6)
+        sock.sendall(f"content-length: {len(body)}\r\n\r\n".encode())
+        for at in range(0, len(body), 4):  # 1.5 s in all, three times the timeout
+            time.sleep(READ_TIMEOUT_S * 0.6)
+            sock.sendall(body[at : at + 4])
+        assert _echoed(sock) == {"sizes": [len(body)], "sha256": hashlib.sha256(body).hexdigest()}
+
+
+def test_a_kept_alive_connection_between_requests_is_left_to_the_keep_alive_timeout(impatient):
+    with socket.create_connection(("127.0.0.1", impatient)) as sock:
+        sock.settimeout(5)
+        sock.sendall(_post(3) + b"abc")
+        assert _echoed(sock)["sizes"] == [3]
+        time.sleep(READ_TIMEOUT_S * 3)  # idle, between requests: no 408
+        sock.sendall(_post(3) + b"def")
+        assert _echoed(sock)["sizes"] == [3]
+
+
+def test_a_connection_that_never_sends_a_request_is_closed_without_an_answer(impatient):
+    with socket.create_connection(("127.0.0.1", impatient)) as sock:
+        sock.settimeout(5)
+        response, waited = _until_closed(sock)
+    assert response == b"" and waited < READ_TIMEOUT_S + 2
+
+
+def test_a_request_answered_before_its_body_is_in_gets_no_408_after_its_answer(impatient):
+    """The app answered without reading the body; the client then goes silent: the
+    connection is closed, with the app's answer the only one sent."""
+    with socket.create_connection(("127.0.0.1", impatient)) as sock:
+        sock.settimeout(5)
+        sock.sendall(b"POST /small HTTP/1.1\r\nhost: t\r\ncontent-length: 100\r\n\r\nabc")
+        response, _ = _until_closed(sock)
+    assert response.startswith(b"HTTP/1.1 200 OK\r\n") and response.endswith(b"hello")
+    assert b"408" not in response

@@ -539,3 +539,45 @@ def test_shutdown_lets_a_stream_in_flight_finish(upstream):
     finally:
         gateway.stop()
         gateway.log_path.unlink(missing_ok=True)
+
+
+def _stalled(url: str, request: bytes) -> tuple[bytes, float]:
+    """Send part of a request, go silent, and read until the gateway closes."""
+    host, port = httpx.URL(url).host, httpx.URL(url).port
+    with socket.create_connection((host, port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(request)
+        started = time.monotonic()
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        return data, time.monotonic() - started
+
+
+def test_a_client_gone_silent_mid_request_gets_408_and_nothing_reaches_the_upstream(upstream, toy):
+    _, base = upstream
+    with GatewayProcess("--upstream", base, "--client-timeout", "0.5") as gateway:
+        body = orjson.dumps(chat())
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body) + 100}\r\n\r\n"
+        ).encode()
+        response, waited = _stalled(gateway.url, head + body)
+        status, _, rest = response.partition(b"\r\n")
+        assert status == b"HTTP/1.1 408 Request Timeout"
+        error = orjson.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+        assert error["code"] == "request_timeout" and error["param"] is None
+        assert error["message"] == "the request did not arrive in full: nothing came for 0.5 s"
+        assert 0.4 < waited < 5
+        # A chunked body (handed to the gate as it arrives), stalled after a chunk: the same.
+        chunked = head.replace(
+            b"content-length: %d" % (len(body) + 100), b"transfer-encoding: chunked"
+        )
+        assert b"transfer-encoding: chunked" in chunked
+        response, _ = _stalled(gateway.url, chunked + b'5\r\n{"mod\r\n')
+        assert response.startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+        assert [r.path for r in toy.received if r.method == "POST"] == []
+        # The gateway goes on serving.
+        answer = client(gateway).chat.completions.create(model="kimi-k3", messages=USER)
+        assert answer.choices[0].message.content
+        assert [r.path for r in toy.received if r.method == "POST"] == ["/v1/chat/completions"]
