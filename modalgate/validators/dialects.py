@@ -106,8 +106,10 @@ class Dialect:
     # Per-request ``mm_processor_kwargs`` / ``media_io_kwargs`` taken at all.
     takes_mm_kwargs: bool = True
     empty_messages: bool = False
-    # Roles the engine takes; ``None``: any string. Matched case-insensitively.
+    # Roles the engine takes, lower-cased as it lower-cases them; ``None``: any string.
     roles: frozenset[str] | None = None
+    # Of those, the ones it takes only as spelled here (SGLang's user message: a Literal).
+    exact_roles: frozenset[str] = frozenset()
     # Roles whose ``content`` may not be missing or null; whether a user's may be ``[]``.
     content_required: frozenset[str] = frozenset({"user", "system", "developer"})
     # Roles whose ``content`` may be an explicit null; None: those it is not required of.
@@ -249,6 +251,7 @@ SGLANG = Dialect(
             "root",
         }
     ),
+    exact_roles=frozenset({"user"}),
     content_required=frozenset({"user"}),
     empty_user_content=True,
     type_roles=_frozen({"thinking": frozenset({"assistant"})}),

@@ -55,14 +55,20 @@ def walk_message(
     if not isinstance(role, str):
         violations.append(invalid("'role' must be a string", path(where, "role")))
         return
-    if dialect.roles is not None and role.casefold() not in dialect.roles:
-        violations.append(
-            invalid(
-                f"{dialect.engine} takes the roles {', '.join(sorted(dialect.roles))}",
-                path(where, "role"),
+    if dialect.roles is not None:
+        # Read as the engine reads it: SGLang lower-cases every role but one it takes.
+        spoken = role.lower()
+        if spoken not in dialect.roles:
+            roles = ", ".join(sorted(dialect.roles))
+            violations.append(
+                invalid(f"{dialect.engine} takes the roles {roles}", path(where, "role"))
             )
-        )
-        return
+            return
+        if spoken != role and spoken in dialect.exact_roles:
+            shown = f"{dialect.engine} takes the role {spoken!r} in lower case only"
+            violations.append(invalid(shown, path(where, "role")))
+            return
+        role = spoken
     for key, form in dialect.reasoning.items():
         reasoning = message.get(key)
         if reasoning is None or isinstance(reasoning, str):

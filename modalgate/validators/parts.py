@@ -149,7 +149,7 @@ def read_part(
     key_param = path(where, kind.key)
     value = part.get(kind.key)
     roles = dialect.type_roles.get(part_type)
-    if roles is not None and role.casefold() not in roles:
+    if roles is not None and role not in roles:
         return _bad(
             f"{dialect.engine} takes {part_type!r} parts only in {', '.join(sorted(roles))}"
             " messages",

@@ -183,6 +183,25 @@ HAND_WRITTEN: list[tuple[str, Body]] = [
     ("user content null", {"messages": [{"role": "user", "content": None}]}),
     ("user content empty list", {"messages": [{"role": "user", "content": []}]}),
     ("user content missing", {"messages": [{"role": "user"}]}),
+    ("user role capitalised", {"messages": [{"role": "User", "content": "hi"}]}),
+    (
+        "user role capitalised, image",
+        {"messages": [{"role": "User", "content": [_url("image_url", PNG)]}]},
+    ),
+    ("user role upper, content missing", {"messages": [{"role": "USER"}]}),
+    (
+        "system role capitalised, content missing",
+        {"messages": [{"role": "System"}, {"role": "user", "content": "hi"}]},
+    ),
+    (
+        "assistant role capitalised, image",
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "Assistant", "content": [_url("image_url", PNG)]},
+            ]
+        },
+    ),
     ("role missing", {"messages": [{"content": "hi"}]}),
     ("role int", {"messages": [{"role": 1, "content": "hi"}]}),
     ("message not an object", {"messages": ["hi"]}),

@@ -85,9 +85,14 @@ def _shape_rows(d: Dialect) -> list[tuple[str, str]]:
             "taken" if d.takes_mm_kwargs else "refused (needs `--trust-request-mm-kwargs`)",
         ),
         ("empty `messages`", "taken" if d.empty_messages else "refused"),
-        ("roles", "any" if d.roles is None else _listed(d.roles)),
+        ("roles", "any" if d.roles is None else _roles(d)),
         ("message union", fallback),
     ]
+
+
+def _roles(d: Dialect) -> str:
+    exact = f", but {_listed(d.exact_roles)} only so spelled" if d.exact_roles else ""
+    return f"{_listed(d.roles)} (read lower-cased{exact})"
 
 
 def render() -> str:

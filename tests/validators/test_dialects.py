@@ -109,6 +109,13 @@ REFUSED = [
         "messages.[0].role",
     ),
     ("sglang", {"model": "omni", "messages": [{"role": "user"}]}, "messages.[0].content"),
+    # SGLang lower-cases the roles it takes, but its user message is a Literal["user"].
+    (
+        "sglang",
+        {"model": "omni", "messages": [{"role": "User", "content": "hi"}]},
+        "messages.[0].role",
+    ),
+    ("sglang", {"model": "omni", "messages": [{"role": "USER"}]}, "messages.[0].role"),
     (
         "vllm",
         {"model": "omni", "messages": [{"role": "system", "content": None}]},
@@ -151,6 +158,10 @@ ACCEPTED = [
     ("vllm", {"model": "omni", "messages": [{"role": "user"}]}),
     ("vllm", {"model": "omni", "messages": [{"role": "narrator", "content": [TEXT]}]}),
     ("sglang", {"model": "omni", "messages": [{"role": "assistant", "content": None}]}),
+    (
+        "sglang",
+        {"model": "omni", "messages": [{"role": "System"}, {"role": "user", "content": "x"}]},
+    ),
     ("sglang", chat(TEXT, model="omni", mm_processor_kwargs={"use_audio_in_video": True})),
     # SGLang's models drop keys they do not declare: a text part's stray key is not read.
     ("sglang", chat({**TEXT, "video_embeds": "AAAA"}, model="omni")),
@@ -250,3 +261,15 @@ def test_policy_doc_dialect_table_is_the_generated_one():
 def test_the_openai_dialect_names_every_part_type_the_gate_reads() -> None:
     # dialects.py cannot import parts.py (parts reads through it): this keeps the copy honest.
     assert OPENAI.types | {"image_pil"} == set(PART_KINDS)
+
+
+def test_sglang_judges_a_role_as_the_lower_cased_role_it_reads(matcher):
+    """'Assistant' is SGLang's assistant: a thinking part passes there, and the policy's
+    roles are applied to the role as read."""
+    thinking = {"type": "thinking", "thinking": "hmm"}
+    messages = [{"role": "user", "content": "q"}, {"role": "Assistant", "content": [thinking]}]
+    assert judged({"model": "omni", "messages": messages}, matcher, SGLANG).accepted
+    refused = judged(chat(image(), model="omni", role="User"), matcher, SGLANG)
+    first = refused.violations[0]
+    assert (first.code, first.param) == (ErrorCode.INVALID_REQUEST, "messages.[0].role")
+    assert first.message == "messages.[0].role: sglang takes the role 'user' in lower case only"
