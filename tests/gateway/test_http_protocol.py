@@ -253,6 +253,38 @@ def test_a_body_of_declared_length_reaches_the_app_whole(server):
         assert _echoed(sock)["sizes"] == [3]
 
 
+def test_a_request_after_a_whole_body_in_the_same_read_is_parsed_afresh(server):
+    """The rest of a whole body is read past the HTTP parser; the request pipelined
+    behind it (in the same read as the body's end) is parsed as any other."""
+    first, second = bytes(range(256)) * 400, b'{"second": true}'
+    with socket.create_connection(("127.0.0.1", server)) as sock:
+        sock.settimeout(5)
+        sock.sendall(_post(len(first)) + first[:1000])
+        time.sleep(0.05)
+        sock.sendall(first[1000:50_000])
+        time.sleep(0.05)
+        sock.sendall(first[50_000:] + _post(len(second)) + second)
+        answers = b""
+        while answers.count(b"}") < 2:
+            answers += sock.recv(65536)
+    echoed = [json.loads(a.partition(b"\r\n\r\n")[2] + b"}") for a in answers.split(b"}")[:2]]
+    assert echoed == [
+        {"sizes": [len(first)], "sha256": hashlib.sha256(first).hexdigest()},
+        {"sizes": [len(second)], "sha256": hashlib.sha256(second).hexdigest()},
+    ]
+
+
+def test_the_rest_of_a_body_answered_early_is_dropped_and_the_next_request_read(server):
+    with socket.create_connection(("127.0.0.1", server)) as sock:
+        sock.settimeout(5)
+        sock.sendall(b"POST /small HTTP/1.1\r\nhost: t\r\ncontent-length: 30000\r\n\r\n")
+        assert _read_response(sock, b"hello").startswith(b"HTTP/1.1 200 OK\r\n")
+        sock.sendall(b"GET" * 5000)  # not a request: the rest of the body
+        time.sleep(0.05)
+        sock.sendall(b"GET" * 5000 + _post(3) + b"abc")
+        assert _echoed(sock)["sizes"] == [3]
+
+
 def test_a_body_without_a_length_is_handed_over_as_it_arrives(server):
     """Chunked: the client may be streaming as it goes, so the app gets the first part
     before the client has sent the rest."""
