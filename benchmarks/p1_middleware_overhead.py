@@ -179,6 +179,40 @@ def run_wrk(
     return rate, total, bad
 
 
+def instructions_per_request(factory: str, script: str, seconds: float) -> int | str:
+    """Instructions per request of one uvicorn server under load, counted by callgrind
+    (deterministic, so a gated/bare ratio holds on a busy machine), or why not counted.
+
+    The server runs under valgrind with counting off; after a warm-up, counting is
+    switched on for one wrk run (no pinning: valgrind is ~50x slower) and the total
+    is divided by the requests wrk saw answered.
+    """
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        return "valgrind (callgrind_control) not found"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "callgrind.out"
+        port = free_port()
+        command = ["valgrind", "--tool=callgrind", "--instr-atstart=no"]
+        command += [f"--callgrind-out-file={out}", f"--log-file={Path(tmp) / 'valgrind.log'}"]
+        command += uvicorn_command(f"{Path(__file__).stem}:{factory}", HERE, port, None)
+        server = ServerProcess(factory, command, port, {**os.environ, "PYTHONHASHSEED": "0"})
+        try:
+            server.wait_ready(timeout=120)
+            run_wrk(server.url, script, 5, 1, 16, None)  # warm-up, not counted
+            pid = str(server.process.pid)
+            subprocess.run(["callgrind_control", "-i", "on", pid], check=True, capture_output=True)
+            _rate, answered, bad = run_wrk(server.url, script, seconds, 1, 16, None)
+            subprocess.run(["callgrind_control", "-d", pid], check=True, capture_output=True)
+        finally:
+            server.stop()
+        dumps = sorted(Path(tmp).glob("callgrind.out.*"))
+        totals = [re.search(r"^totals: (\d+)", d.read_text(), re.M) for d in dumps]
+        counted = sum(int(t.group(1)) for t in totals if t)
+        if not counted or not answered or bad:
+            return f"nothing counted ({answered} requests, {bad} bad)"
+        return counted // answered
+
+
 def in_process_costs(repeats: int) -> dict[str, float]:
     """Microseconds per request without HTTP (best of ``repeats``, interleaved).
 
@@ -299,6 +333,9 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=16)
     parser.add_argument("--no-pin", action="store_true", help="do not use taskset")
     parser.add_argument("--app", choices=("starlette", "raw", "both"), default="both")
+    parser.add_argument(
+        "--instructions", action="store_true", help="also count under callgrind (~2 min a pair)"
+    )
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 10)
     seconds = args.seconds or (2.0 if args.quick else 3.0)
@@ -340,6 +377,19 @@ def main() -> None:
                 bare_factory, gated_factory, script, rounds, seconds, args, server_cpu, wrk_cpu
             )
             results.append((app, name, target, measured))
+            if args.instructions:
+                counts = [
+                    instructions_per_request(f, script, 10) for f in (bare_factory, gated_factory)
+                ]
+                if all(isinstance(n, int) for n in counts):
+                    bare_n, gated_n = counts
+                    print(
+                        f"instructions per request under uvicorn (callgrind): bare {bare_n:,}, "
+                        f"gated {gated_n:,}; the gate {gated_n - bare_n:,}; bare / gated "
+                        f"{bare_n / gated_n:.3f} (P1's ratio, were time spent as instructions)"
+                    )
+                else:
+                    print(f"instructions not counted: {counts}")
 
     costs = in_process_costs(3 if args.quick else 10)
     overhead = costs["gated"] - costs["bare"]
