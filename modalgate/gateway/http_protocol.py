@@ -34,6 +34,7 @@ Used by ``modalgate serve``; other servers hosting the app write as they do.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from contextlib import suppress
 from functools import lru_cache, partial
@@ -57,6 +58,12 @@ WHOLE_BODY_BYTES = 4 * 1024 * 1024
 # servers it keeps a task waiting on ``receive`` for ``http.disconnect`` instead (11% of
 # a small proxied request's CPU under serve, A/B with P7's text load).
 ON_CLIENT_GONE = "modalgate.on_client_gone"
+
+# Set in a request's ``scope["extensions"]`` when the protocol itself answered it (the
+# status), for the access log: the app saw only the client going away.
+ANSWERED_BY_SERVER = "modalgate.answered_by_server"
+
+logger = logging.getLogger("modalgate.protocol")
 
 
 class CoalescingTransport:
@@ -230,6 +237,11 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
         cycle = self.cycle if self.cycle is not self._cycle_before else None
         if self._request_begun and (cycle is None or not cycle.response_started):
             self.transport.write(_timed_out_response(self.read_timeout_s))
+            if cycle is not None:  # its headers were in: the app is waiting for the body
+                cycle.scope.setdefault("extensions", {})[ANSWERED_BY_SERVER] = 408  # type: ignore[typeddict-item]
+            client = f"{self.client[0]}:{self.client[1]}" if self.client else None
+            fields = {"status": 408, "code": "request_timeout", "client": client}
+            logger.info("client_timed_out", extra={"fields": fields})
         self.transport.close()  # the app waiting for the body hears http.disconnect
 
     def on_headers_complete(self) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from modalgate.gateway.http_protocol import ANSWERED_BY_SERVER
 from modalgate.gateway.observability.logs import request_id_var
 
 STATE_KEY = "request_id"
@@ -127,6 +128,14 @@ class _LoggedExchange:
         headers.append((header, self.raw_id))
         return headers
 
+    def _unanswered(self, exc_type: str | None) -> int:
+        """The status of a request the app sent no response for."""
+        if exc_type is not None:
+            return 500  # the app raised: the server answers 500
+        # The app returned quietly: the client went away first (nginx's 499), or the
+        # server answered in its place (serve's protocol: a silent client's 408).
+        return self.scope.get("extensions", {}).get(ANSWERED_BY_SERVER, 499)
+
     def _log(self, started: float, exc_type: str | None) -> None:
         if not self.owner.access_log or not access_logger.isEnabledFor(logging.INFO):
             return
@@ -134,8 +143,7 @@ class _LoggedExchange:
         fields: dict[str, object] = {
             "method": scope.get("method", "WEBSOCKET"),
             "path": scope.get("path", ""),
-            # No response from an app that raised: the server answers 500.
-            "status": self.status if self.status is not None else 500,
+            "status": self.status if self.status is not None else self._unanswered(exc_type),
             "duration_ms": round((time.perf_counter() - started) * 1000, 3),
             "request_id": self.request_id,
         }

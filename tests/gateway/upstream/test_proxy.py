@@ -271,6 +271,10 @@ def test_client_disconnect_before_the_answer_closes_the_upstream_request(gateway
         lambda r: r.get("request_id") == "gives-up-early" and r.get("logger") == "modalgate.proxy"
     )
     assert line["event"] == "client disconnected; upstream request closed"
+    access = gateway.wait_for_log(
+        lambda r: r.get("request_id") == "gives-up-early" and r.get("event") == "access"
+    )
+    assert access["status"] == 499  # the client closed first: no 500 for its going away
 
 
 @pytest.mark.parametrize("protocol", ["httptools", "serve"])
@@ -581,3 +585,14 @@ def test_a_client_gone_silent_mid_request_gets_408_and_nothing_reaches_the_upstr
         answer = client(gateway).chat.completions.create(model="kimi-k3", messages=USER)
         assert answer.choices[0].message.content
         assert [r.path for r in toy.received if r.method == "POST"] == ["/v1/chat/completions"]
+        timed_out = [line for line in gateway.log_lines() if line["event"] == "client_timed_out"]
+        assert [(line["logger"], line["status"], line["code"]) for line in timed_out] == [
+            ("modalgate.protocol", 408, "request_timeout")
+        ] * 2
+        # The access log tells the request the app was waiting on as the 408 it was.
+        access = [line for line in gateway.log_lines() if line["event"] == "access"]
+        assert [(a["method"], a["status"]) for a in access if a["method"] == "POST"] == [
+            ("POST", 408),
+            ("POST", 408),
+            ("POST", 200),
+        ]
