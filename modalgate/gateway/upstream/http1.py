@@ -1,10 +1,11 @@
 """One HTTP/1.1 client connection: an asyncio Protocol around httptools' response parser.
 
 The pool (pool.py) owns the policy: which connection, when to retry, when to keep
-one. This module owns the wire: the request head and body as written, the response
-as llhttp parses it, timeouts between two reads and per body chunk written, and
-backpressure both ways (asyncio's flow control out, ``pause_reading`` in). Every
-failure leaves here as an httpx exception, the family the proxy maps to 502/504.
+one. This module owns the wire: the request as written (its head made by
+request_head.py), the response as llhttp parses it, timeouts between two reads and
+per body chunk written, and backpressure both ways (asyncio's flow control out,
+``pause_reading`` in). Every failure leaves here as an httpx exception, the family
+the proxy maps to 502/504.
 
 Whoever waits on a connection (the request's task, then whoever reads the body; a
 streamed upload's task, while the request's waits on the head) waits on a future of its
@@ -38,42 +39,6 @@ class _Unasked(Exception):
     """Raised from the parser's callback to stop it past the response asked for: a HEAD
     response ends at its headers (llhttp, through httptools, cannot be told that no
     body follows), and a second response to one request is a fault."""
-
-
-def encode_head(
-    method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: object
-) -> tuple[bytes, int | None, bool]:
-    """The request head, the caller's Content-Length (None if absent), and whether the
-    body goes chunked. Adds a framing header only: Content-Length for bytes without
-    one, Transfer-Encoding for a stream without one; nothing else the caller did not give.
-    """
-    lines = [method + b" " + target + b" HTTP/1.1"]
-    lines += [name + b": " + value for name, value in headers]
-    head = b"\r\n".join(lines)
-    # One pass each over the whole block: a CR, LF or NUL anywhere in a name, value or
-    # target shows as more line breaks than lines (request smuggling, header injection).
-    if head.count(b"\n") != len(headers) or head.count(b"\r") != len(headers) or b"\0" in head:
-        raise httpx.LocalProtocolError("CR, LF or NUL in the request line or a header")
-    lowered = head.lower()
-    length: int | None = None
-    at = lowered.find(b"\r\ncontent-length:")
-    if at >= 0:
-        end = lowered.find(b"\r\n", at + 2)
-        value = head[at + 17 : end if end >= 0 else len(head)].strip()
-        if not value.isdigit():
-            raise httpx.LocalProtocolError("the request's Content-Length is not a number")
-        length = int(value)
-    if length is not None and isinstance(body, bytes) and len(body) != length:
-        # The upstream would read the difference as (part of) another request.
-        raise httpx.LocalProtocolError("the request body does not match its Content-Length")
-    chunked = length is None and body is not None
-    if chunked and b"\r\ntransfer-encoding:" not in lowered:
-        if isinstance(body, bytes):
-            head += b"\r\ncontent-length: " + str(len(body)).encode()
-            chunked = False
-        else:
-            head += b"\r\ntransfer-encoding: chunked"
-    return head + b"\r\n\r\n", length, chunked
 
 
 class Connection(asyncio.Protocol):

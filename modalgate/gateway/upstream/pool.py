@@ -35,7 +35,8 @@ from collections.abc import AsyncIterable, AsyncIterator
 import anyio
 import httpx
 
-from modalgate.gateway.upstream.http1 import Connection, connect, encode_head
+from modalgate.gateway.upstream.http1 import Connection, connect
+from modalgate.gateway.upstream.request_head import encode_head
 
 # Under the usual 5 s keep-alive of uvicorn (vLLM, SGLang): we drop first.
 KEEPALIVE_EXPIRY_S = 4.0
