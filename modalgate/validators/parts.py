@@ -140,6 +140,17 @@ def _known_part_type(
     return typed
 
 
+class _PartAt(NamedTuple):
+    """A media part being read, and where: what each shape's reader needs."""
+
+    typed: PartType
+    part: dict[str, Any]
+    value: Any  # the payload key's value
+    where: str
+    key_param: str
+    dialect: Dialect
+
+
 def read_part(
     typed: PartType, part: dict[str, Any], where: str, role: str, dialect: Dialect = OPENAI
 ) -> PartDraft | Violation | None:
@@ -170,68 +181,103 @@ def read_part(
     if value is None and typed.by_key and part.get("uuid") is not None and kind.key in part:
         media.source, media.payload_param = "cached", key_param  # vLLM's cached-media reference
         return media
-    if kind.shape == "url":
-        # Read by its key (vLLM), a URL may be a string or an object with ``url``.
-        forms = _BOTH_FORMS if typed.by_key else dialect.url_forms
-        if isinstance(value, dict) and "object" in forms:
-            detail = value.get("detail", "auto")
-            if part_type == "image_url" and not _detail_ok(detail, dialect.image_details):
-                return _bad(_detail_problem(dialect.image_details), path(key_param, "detail"))
-            url, url_param = value.get("url"), path(key_param, "url")
-        elif isinstance(value, str) and "string" in forms:
-            url, url_param = value, key_param
-        else:
-            shape = " or ".join(
-                {"object": "an object with a string 'url'", "string": "a URL string"}[f]
-                for f in sorted(forms)
-            )
-            return _bad(f"must be {shape or 'given with a type'} ({dialect.engine})", key_param)
-        media.inlinable = True
-        if not isinstance(url, str):
-            return _bad("must be a string (a URL or a data URL)", url_param)
-        return with_url(media, url, url_param)
-    if kind.shape == "input_image":
-        detail = part.get("detail", "auto")
-        if not _detail_ok(detail, dialect.input_image_details):
-            return _bad(_detail_problem(dialect.input_image_details), path(where, "detail"))
-        if not dialect.input_image_file_ids and not isinstance(part.get("image_url"), str):
-            return _bad(f"must be a string ({dialect.engine})", path(where, "image_url"))
-        return _url_or_file_id(media, part, "image_url", where)
-    if kind.shape == "input_audio":
-        if not isinstance(value, dict) or not isinstance(value.get("data"), str):
-            return _bad("must be an object with base64 'data' and a 'format'", key_param)
-        allowed = dialect.audio_formats
-        fmt = value.get("format", "" if allowed is None else None)
-        if not isinstance(fmt, str) or (allowed is not None and fmt not in allowed):
-            shown = ", ".join(sorted(allowed)) if allowed is not None else "a string"
-            return _bad(
-                f"'format' must be one of {shown} ({dialect.engine})", path(key_param, "format")
-            )
-        media.source, media.payload = "base64", value["data"]
-        media.payload_param = path(key_param, "data")
-        media.format = fmt.lower() or None
-        return media
-    if kind.shape == "file":
-        if not isinstance(value, dict):
-            return _bad("must be an object with 'file_data' or 'file_id'", key_param)
-        return _url_or_file_id(media, value, "file_data", key_param, bare_base64=True)
-    if kind.shape == "input_file":
-        url = part.get("file_url")
-        if isinstance(url, str) and "file_data" not in part:
-            return with_url(media, url, path(where, "file_url"))  # never inlined: not a URL slot
-        return _url_or_file_id(media, part, "file_data", where, bare_base64=True)
-    # embeds: a base64 tensor, or a dict of them (vLLM); checked by the server that loads them.
+    at = _PartAt(typed, part, value, where, key_param, dialect)
+    return _SHAPE_READERS[kind.shape](media, at)
+
+
+def _read_url(media: PartDraft, at: _PartAt) -> PartDraft | Violation:
+    typed, value, key_param, dialect = at.typed, at.value, at.key_param, at.dialect
+    # Read by its key (vLLM), a URL may be a string or an object with ``url``.
+    forms = _BOTH_FORMS if typed.by_key else dialect.url_forms
+    if isinstance(value, dict) and "object" in forms:
+        detail = value.get("detail", "auto")
+        if typed.name == "image_url" and not _detail_ok(detail, dialect.image_details):
+            return _bad(_detail_problem(dialect.image_details), path(key_param, "detail"))
+        url, url_param = value.get("url"), path(key_param, "url")
+    elif isinstance(value, str) and "string" in forms:
+        url, url_param = value, key_param
+    else:
+        shape = " or ".join(
+            {"object": "an object with a string 'url'", "string": "a URL string"}[f]
+            for f in sorted(forms)
+        )
+        return _bad(f"must be {shape or 'given with a type'} ({dialect.engine})", key_param)
+    media.inlinable = True
+    if not isinstance(url, str):
+        return _bad("must be a string (a URL or a data URL)", url_param)
+    return with_url(media, url, url_param)
+
+
+def _read_input_image(media: PartDraft, at: _PartAt) -> PartDraft | Violation:
+    part, where, dialect = at.part, at.where, at.dialect
+    detail = part.get("detail", "auto")
+    if not _detail_ok(detail, dialect.input_image_details):
+        return _bad(_detail_problem(dialect.input_image_details), path(where, "detail"))
+    if not dialect.input_image_file_ids and not isinstance(part.get("image_url"), str):
+        return _bad(f"must be a string ({dialect.engine})", path(where, "image_url"))
+    return _url_or_file_id(media, part, "image_url", where)
+
+
+def _read_input_audio(media: PartDraft, at: _PartAt) -> PartDraft | Violation:
+    value, key_param, dialect = at.value, at.key_param, at.dialect
+    if not isinstance(value, dict) or not isinstance(value.get("data"), str):
+        return _bad("must be an object with base64 'data' and a 'format'", key_param)
+    allowed = dialect.audio_formats
+    fmt = value.get("format", "" if allowed is None else None)
+    if not isinstance(fmt, str) or (allowed is not None and fmt not in allowed):
+        shown = ", ".join(sorted(allowed)) if allowed is not None else "a string"
+        return _bad(
+            f"'format' must be one of {shown} ({dialect.engine})", path(key_param, "format")
+        )
+    media.source, media.payload = "base64", value["data"]
+    media.payload_param = path(key_param, "data")
+    media.format = fmt.lower() or None
+    return media
+
+
+def _read_file(media: PartDraft, at: _PartAt) -> PartDraft | Violation:
+    value, key_param = at.value, at.key_param
+    if not isinstance(value, dict):
+        return _bad("must be an object with 'file_data' or 'file_id'", key_param)
+    return _url_or_file_id(media, value, "file_data", key_param, bare_base64=True)
+
+
+def _read_input_file(media: PartDraft, at: _PartAt) -> PartDraft | Violation:
+    part, where = at.part, at.where
+    url = part.get("file_url")
+    if isinstance(url, str) and "file_data" not in part:
+        return with_url(media, url, path(where, "file_url"))  # never inlined: not a URL slot
+    return _url_or_file_id(media, part, "file_data", where, bare_base64=True)
+
+
+def _read_embeds(media: PartDraft, at: _PartAt) -> PartDraft | Violation:
+    """A base64 tensor (``tensor``), or also a dict of them (``embeds``: vLLM); checked by
+    the server that loads them."""
+    value, key_param = at.value, at.key_param
+    shape = PART_KINDS[at.typed.name].shape
     well_formed = (isinstance(value, str) and value != "") or (
-        kind.shape == "embeds"
+        shape == "embeds"
         and isinstance(value, dict)
         and all(_tensor_or_numbers(v) for v in value.values())
     )
     if not well_formed:
-        if kind.shape == "tensor":
+        if shape == "tensor":
             return _bad("must be a non-empty base64 string (a serialized tensor)", key_param)
         return _bad("must be a base64 string or an object of base64 strings", key_param)
     media.source, media.payload_param = "embeds", key_param
     return media
+
+
+_SHAPE_READERS = {
+    "url": _read_url,
+    "input_image": _read_input_image,
+    "input_audio": _read_input_audio,
+    "file": _read_file,
+    "input_file": _read_input_file,
+    "embeds": _read_embeds,
+    "tensor": _read_embeds,
+    "never": _read_embeds,  # image_pil: only a cached reference gets this far, and returns first
+}
 
 
 def _tensor_or_numbers(value: Any) -> bool:

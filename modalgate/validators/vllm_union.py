@@ -15,7 +15,7 @@ them to vLLM's own code.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
@@ -102,30 +102,32 @@ OPENAI_MESSAGE_PARTS: Mapping[str, tuple[Member, ...]] = MappingProxyType(
 )
 
 
-def _shape_ok(value: object, shape: FieldShape) -> bool:
-    if shape == "str":
-        return isinstance(value, str)
-    if shape == "str_or_null":
-        return value is None or isinstance(value, str)
-    if shape == "null":
-        return value is None
-    if shape == "bool":
-        return isinstance(value, bool)
-    if shape in ("url_object", "image_url_object"):
-        if not isinstance(value, dict) or not isinstance(value.get("url"), str):
-            return False
-        return shape == "url_object" or value.get("detail", "auto") in OPENAI_DETAILS
-    if shape == "audio_object":
-        return (
-            isinstance(value, dict)
-            and isinstance(value.get("data"), str)
-            and value.get("format") in ("wav", "mp3")
-        )
-    if shape == "file_object":
-        return isinstance(value, dict) and all(
-            isinstance(value[k], str) for k in ("file_data", "file_id", "filename") if k in value
-        )
-    # embeds: a base64 string, or a dict of base64 strings or number lists; or null
+def _url_object(value: object) -> bool:
+    return isinstance(value, dict) and isinstance(value.get("url"), str)
+
+
+def _image_url_object(value: object) -> bool:
+    if not isinstance(value, dict):
+        return False
+    return isinstance(value.get("url"), str) and value.get("detail", "auto") in OPENAI_DETAILS
+
+
+def _audio_object(value: object) -> bool:
+    return (
+        isinstance(value, dict)
+        and isinstance(value.get("data"), str)
+        and value.get("format") in ("wav", "mp3")
+    )
+
+
+def _file_object(value: object) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(value[k], str) for k in ("file_data", "file_id", "filename") if k in value
+    )
+
+
+def _embeds_or_null(value: object) -> bool:
+    """A base64 string, or a dict of base64 strings or number lists; or null."""
     if value is None or isinstance(value, str):
         return True
     return isinstance(value, dict) and all(
@@ -136,6 +138,22 @@ def _shape_ok(value: object, shape: FieldShape) -> bool:
         )
         for v in value.values()
     )
+
+
+# Each field shape, checked as pydantic checks the typed dict's field.
+_SHAPE_OK: Mapping[FieldShape, Callable[[object], bool]] = MappingProxyType(
+    {
+        "str": lambda value: isinstance(value, str),
+        "str_or_null": lambda value: value is None or isinstance(value, str),
+        "null": lambda value: value is None,
+        "bool": lambda value: isinstance(value, bool),
+        "url_object": _url_object,
+        "image_url_object": _image_url_object,
+        "audio_object": _audio_object,
+        "file_object": _file_object,
+        "embeds_or_null": _embeds_or_null,
+    }
+)
 
 
 def fields_matched(part: object, member: Member) -> int | None:
@@ -152,7 +170,7 @@ def fields_matched(part: object, member: Member) -> int | None:
         return None
     if any(key not in part for key in member.required):
         return None
-    if any(key in part and not _shape_ok(part[key], shape) for key, shape in member.fields.items()):
+    if any(key in part and not _SHAPE_OK[shape](part[key]) for key, shape in member.fields.items()):
         return None
     return sum(key in part for key in member.fields) + (member.type is not None and "type" in part)
 

@@ -15,11 +15,12 @@ import threading
 import time
 from collections.abc import Iterator
 from functools import partial
+from typing import Any
 
 import pytest
 import uvicorn
 
-from conftest import free_port
+from conftest import serve
 from modalgate.gateway import http_protocol
 from modalgate.gateway.http_protocol import FLUSH_AT_BYTES, ON_CLIENT_GONE, ServeHttpProtocol
 
@@ -104,22 +105,15 @@ async def _read_body(receive) -> tuple[list[int] | None, bytes]:
         FIRST_PART_IN.set()
 
 
+def _serving(protocol: Any, **config: Any) -> Iterator[int]:
+    """A real uvicorn server with ``protocol`` on 127.0.0.1; yields its port."""
+    with serve(app, http=protocol, **config) as url:
+        yield int(url.rsplit(":", 1)[1])
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[int]:
-    port = free_port()
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, http=CountingProtocol, log_level="warning", lifespan="off"
-    )
-    instance = uvicorn.Server(config)
-    thread = threading.Thread(target=instance.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not instance.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    yield port
-    instance.should_exit = True
-    thread.join(10)
+    yield from _serving(CountingProtocol)
 
 
 def _request(path: str) -> bytes:
@@ -377,26 +371,8 @@ READ_TIMEOUT_S = 0.5
 @pytest.fixture(scope="module")
 def impatient() -> Iterator[int]:
     """The protocol with a short read timeout, and a keep-alive far longer than it."""
-    port = free_port()
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=port,
-        http=partial(CountingProtocol, read_timeout_s=READ_TIMEOUT_S),
-        log_level="warning",
-        lifespan="off",
-        timeout_keep_alive=30,
-    )
-    instance = uvicorn.Server(config)
-    thread = threading.Thread(target=instance.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not instance.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    yield port
-    instance.should_exit = True
-    thread.join(10)
+    protocol = partial(CountingProtocol, read_timeout_s=READ_TIMEOUT_S)
+    yield from _serving(protocol, timeout_keep_alive=30)
 
 
 def _until_closed(sock: socket.socket) -> tuple[bytes, float]:

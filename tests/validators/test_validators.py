@@ -1201,3 +1201,11 @@ def test_avif_can_be_opted_in_and_heif_is_refused():
     check(
         chat(image_part(data_url(heif, "image/heic"))), m, ErrorCode.UNSUPPORTED_IMAGE_FORMAT, URL
     )
+
+
+def test_every_part_shape_but_text_has_its_reader():
+    from typing import get_args
+
+    from modalgate.validators.parts import _SHAPE_READERS, Shape
+
+    assert set(_SHAPE_READERS) == set(get_args(Shape)) - {"text"}
