@@ -43,6 +43,7 @@ class ErrorCode(str, Enum):
     METHOD_NOT_ALLOWED = "method_not_allowed"
     INVALID_API_KEY = "invalid_api_key"
     REQUEST_TIMEOUT = "request_timeout"
+    HEADERS_TOO_LARGE = "headers_too_large"
 
     def __str__(self) -> str:
         return self.value
@@ -76,6 +77,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.METHOD_NOT_ALLOWED: 405,
     ErrorCode.INVALID_API_KEY: 401,
     ErrorCode.REQUEST_TIMEOUT: 408,
+    ErrorCode.HEADERS_TOO_LARGE: 431,
 }
 
 # OpenAI's `type` field: client mistakes vs. our side failing.

@@ -170,6 +170,13 @@ class GatewaySettings(BaseSettings):
         " and body): 408 request_timeout past it, and the connection closed",
         json_schema_extra=_flag("S"),
     )
+    max_header_bytes: int = Field(
+        64 * 1024,
+        ge=1024,
+        description="the longest request line and headers together: 431 headers_too_large"
+        " past it, and the connection closed",
+        json_schema_extra=_flag("N"),
+    )
     upstream_connect_timeout_s: Seconds = Field(
         5.0, description="connecting to an upstream", json_schema_extra=_flag("S")
     )

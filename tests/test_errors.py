@@ -228,8 +228,8 @@ class Lab:
         elif name == "encoder-full":  # a queue of size 0 is always full
             encoder = FailingEncoder(BatchSettings(max_queue=0))
             app = create_app(policy=None, mode="encoder", encoder=encoder)
-        elif name == "impatient":  # modalgate serve's protocol, with a 1 s client timeout
-            protocol = partial(ServeHttpProtocol, read_timeout_s=1)
+        elif name == "impatient":  # serve's protocol: a 1 s client timeout, 2 KiB heads
+            protocol = partial(ServeHttpProtocol, read_timeout_s=1, max_header_bytes=2048)
             return self.stack.enter_context(serve(create_app(policy=None), http=protocol))
         else:
             raise KeyError(name)
@@ -263,14 +263,22 @@ class Lab:
 
     def stall(self, name: str, where: str) -> Produced:
         """POST headers and part of the body they declare, then nothing more."""
+        head = f"POST {where} HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+        return self._raw(name, head.encode() + b'content-length: 100\r\n\r\n{"model":')
+
+    def oversized_head(self, name: str, where: str) -> Produced:
+        """A request whose headers go on past the server's limit."""
+        return self._raw(name, f"POST {where} HTTP/1.1\r\nhost: t\r\nx-pad: {'a' * 4096}".encode())
+
+    def _raw(self, name: str, sent: bytes) -> Produced:
+        """What the server answers to ``sent`` before it closes the connection."""
         with socket.create_connection(parse_url(self.url(name)), timeout=10) as sock:
-            head = f"POST {where} HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
-            sock.sendall(head.encode() + b'content-length: 100\r\n\r\n{"model":')
+            sock.sendall(sent)
             response = b""
             while chunk := sock.recv(65536):
                 response += chunk
-        head_bytes, _, body = response.partition(b"\r\n\r\n")
-        lines = head_bytes.decode("latin-1").split("\r\n")
+        head, _, body = response.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
         headers = dict(line.split(": ", 1) for line in lines[1:])
         return Produced(int(lines[0].split()[1]), json.loads(body), headers)
 
@@ -400,6 +408,9 @@ EXAMPLES: dict[str, list[Producer]] = {
     ],
     "request_timeout": [
         lambda lab: lab.stall("impatient", "/v1/chat/completions"),
+    ],
+    "headers_too_large": [
+        lambda lab: lab.oversized_head("impatient", "/v1/chat/completions"),
     ],
 }
 

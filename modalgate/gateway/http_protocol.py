@@ -26,7 +26,9 @@ answered ``408 request_timeout`` once nothing has arrived for ``read_timeout_s``
 the connection closed: uvicorn times out only the wait between requests, so a
 client sending a byte now and then (slowloris) would hold its connection and the
 body read so far for ever. Connections that never start a request are closed
-quietly after as long.
+quietly after as long. A request line and headers longer than ``max_header_bytes``
+are answered ``431 headers_too_large``: llhttp sets no limit, so a client sending
+header lines without end would grow the gateway's memory as long as it kept on.
 
 Used by ``modalgate serve``; other servers hosting the app write as they do.
 """
@@ -52,6 +54,9 @@ FLUSH_AT_BYTES = 64 * 1024
 # A request body of a declared length up to this is handed to the app whole (the gate
 # reads up to the policy's max_body_bytes, 64 MiB by default, whole in any case).
 WHOLE_BODY_BYTES = 4 * 1024 * 1024
+# The request line and headers together, at most (Envoy's default is 60 KiB; nginx's
+# large_client_header_buffers 32 KiB).
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 # An ASGI extension of this protocol's: ``scope["extensions"][ON_CLIENT_GONE](callback)``
 # calls ``callback`` when the client's connection is lost, and returns a function that
 # forgets it. The proxy uses it to cancel an abandoned upstream request; under other
@@ -158,9 +163,18 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
     the client's going away told by a callback (``ON_CLIENT_GONE``), and a silent
     client timed out while its request is read (``read_timeout_s``; None: never)."""
 
-    def __init__(self, *args: Any, read_timeout_s: float | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        read_timeout_s: float | None = None,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.read_timeout_s = read_timeout_s
+        self.max_header_bytes = max_header_bytes
+        self._in_head = False  # between a request's first byte and its headers' end
+        self._head_bytes = 0
         self._reading = True  # a request (the connection's first, or one begun) is due
         self._request_begun = False
         self._cycle_before: RequestResponseCycle | None = None  # the last request's
@@ -182,6 +196,10 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
         left = self._body_left
         if left <= 0:
             super().data_received(data)
+            if self._in_head:  # still: count what the head has taken so far
+                self._head_bytes += len(data)
+                if self._head_bytes > self.max_header_bytes:
+                    self._refuse_head()
             return
         # The rest of a whole body of known length: kept as read. llhttp would copy each
         # read into a new bytes object to hand it over; it learns nothing from the bytes.
@@ -213,11 +231,25 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
     def on_message_begin(self) -> None:
         self._cycle_before = self.cycle
         super().on_message_begin()
-        self._reading = self._request_begun = True
+        self._reading = self._request_begun = self._in_head = True
+        self._head_bytes = 0
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._reading = self._request_begun = False
+
+    def _refuse_head(self) -> None:
+        """431, and the connection closed: the head cannot be parsed past its end."""
+        self._in_head = False
+        if self.transport.is_closing():
+            return  # llhttp refused the bytes already (uvicorn answered 400)
+        self.transport.write(_head_too_large_response(self.max_header_bytes))
+        self.transport.close()
+        fields = {"status": 431, "code": "headers_too_large", "client": self._client_text()}
+        logger.info("client_headers_too_large", extra={"fields": fields})
+
+    def _client_text(self) -> str | None:
+        return f"{self.client[0]}:{self.client[1]}" if self.client else None
 
     def _check_reading(self) -> None:
         """One timer per connection, re-armed as it fires (no timer made per request):
@@ -239,12 +271,12 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
             self.transport.write(_timed_out_response(self.read_timeout_s))
             if cycle is not None:  # its headers were in: the app is waiting for the body
                 cycle.scope.setdefault("extensions", {})[ANSWERED_BY_SERVER] = 408  # type: ignore[typeddict-item]
-            client = f"{self.client[0]}:{self.client[1]}" if self.client else None
-            fields = {"status": 408, "code": "request_timeout", "client": client}
+            fields = {"status": 408, "code": "request_timeout", "client": self._client_text()}
             logger.info("client_timed_out", extra={"fields": fields})
         self.transport.close()  # the app waiting for the body hears http.disconnect
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         super().on_headers_complete()
         self.scope.setdefault("extensions", {})[ON_CLIENT_GONE] = self._call_when_gone  # type: ignore[typeddict-item]
         cycle = self.cycle
@@ -290,20 +322,26 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
         cycle.message_event.set()
 
 
-@lru_cache(maxsize=8)
 def _timed_out_response(timeout_s: float) -> bytes:
-    """The whole 408 answer, in the error envelope; the connection closes after it."""
-    body = error_json(
-        [
-            Violation(
-                ErrorCode.REQUEST_TIMEOUT,
-                f"the request did not arrive in full: nothing came for {timeout_s:g} s",
-            )
-        ]
+    message = f"the request did not arrive in full: nothing came for {timeout_s:g} s"
+    return _closing_answer(408, b"Request Timeout", ErrorCode.REQUEST_TIMEOUT, message)
+
+
+def _head_too_large_response(limit: int) -> bytes:
+    message = f"the request line and headers are larger than {limit} bytes"
+    return _closing_answer(
+        431, b"Request Header Fields Too Large", ErrorCode.HEADERS_TOO_LARGE, message
     )
+
+
+@lru_cache(maxsize=16)
+def _closing_answer(status: int, reason: bytes, code: ErrorCode, message: str) -> bytes:
+    """A whole answer in the error envelope, written by the protocol itself; the
+    connection closes after it."""
+    body = error_json([Violation(code, message)])
     head = (
-        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\nconnection: close\r\n\r\n" % (status, reason, len(body))
     )
     return head + body
 

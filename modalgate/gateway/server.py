@@ -143,7 +143,11 @@ def _options(settings: GatewaySettings) -> dict[str, Any]:
         # X-Forwarded-For is passed on as a chain, not folded into the client address.
         "proxy_headers": False,
         "lifespan": "on",
-        # Request bodies whole, a small response in one write, a silent client timed out
-        # (gateway/http_protocol.py).
-        "http": partial(ServeHttpProtocol, read_timeout_s=settings.client_timeout_s),
+        # Request bodies whole, a small response in one write, a silent client timed out,
+        # a head's size capped (gateway/http_protocol.py).
+        "http": partial(
+            ServeHttpProtocol,
+            read_timeout_s=settings.client_timeout_s,
+            max_header_bytes=settings.max_header_bytes,
+        ),
     }

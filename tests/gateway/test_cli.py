@@ -474,8 +474,10 @@ def test_serve_freezes_the_startup_heap_before_serving() -> None:
         "create_app()\n"
         "print('library', gc.get_freeze_count())\n"
         "uvicorn.run = lambda app, **options: print('serve', gc.get_freeze_count(),"
-        " options['http'].func.__name__, options['http'].keywords['read_timeout_s'])\n"
-        "sys.exit(cli.main(['serve', '--port', '0', '--client-timeout', '7.5']))\n"
+        " options['http'].func.__name__, options['http'].keywords['read_timeout_s'],"
+        " options['http'].keywords['max_header_bytes'])\n"
+        "sys.exit(cli.main(['serve', '--port', '0', '--client-timeout', '7.5',"
+        " '--max-header-bytes', '20000']))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
@@ -483,8 +485,9 @@ def test_serve_freezes_the_startup_heap_before_serving() -> None:
     assert result.returncode == 0, result.stderr
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
     assert lines["library"] == "0"
-    frozen, protocol, read_timeout = lines["serve"].split()
-    assert int(frozen) > 10_000 and protocol == "ServeHttpProtocol" and read_timeout == "7.5"
+    frozen, protocol, read_timeout, max_header_bytes = lines["serve"].split()
+    assert int(frozen) > 10_000 and protocol == "ServeHttpProtocol"
+    assert (read_timeout, max_header_bytes) == ("7.5", "20000")
 
 
 def test_serve_keeps_big_buffers_in_the_heap() -> None:

@@ -8,6 +8,7 @@ transport under the protocol's is wrapped to count its writes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import socket
@@ -366,12 +367,15 @@ def test_a_callback_given_after_the_client_went_is_called_at_once():
 # ---------------------------------------------------------------- a client gone silent
 
 READ_TIMEOUT_S = 0.5
+MAX_HEADER_BYTES = 4096
 
 
 @pytest.fixture(scope="module")
 def impatient() -> Iterator[int]:
     """The protocol with a short read timeout, and a keep-alive far longer than it."""
-    protocol = partial(CountingProtocol, read_timeout_s=READ_TIMEOUT_S)
+    protocol = partial(
+        CountingProtocol, read_timeout_s=READ_TIMEOUT_S, max_header_bytes=MAX_HEADER_BYTES
+    )
     yield from _serving(protocol, timeout_keep_alive=30)
 
 
@@ -461,3 +465,62 @@ def test_a_request_answered_before_its_body_is_in_gets_no_408_after_its_answer(i
         response, _ = _until_closed(sock)
     assert response.startswith(b"HTTP/1.1 200 OK\r\n") and response.endswith(b"hello")
     assert b"408" not in response
+
+
+# ---------------------------------------------------------------- a head without end
+
+
+def _head_refused(response: bytes) -> dict:
+    head, _, body = response.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 431 Request Header Fields Too Large", response[:200]
+    assert b"connection: close" in lines
+    return json.loads(body)["error"]
+
+
+@pytest.mark.parametrize(
+    "header_lines",
+    [
+        [b"x-pad-%d: %s\r\n" % (i, b"a" * 90) for i in range(60)],  # many headers
+        [b"x-pad: " + b"a" * 1500] * 4,  # one header value that goes on and on
+        [b"b" * 1500] * 4,  # the request target
+    ],
+    ids=["many headers", "one long header", "long target"],
+)
+def test_a_head_over_the_limit_is_answered_431_as_it_arrives(impatient, header_lines):
+    first = b"POST /echo HTTP/1.1\r\nhost: t\r\n"
+    if header_lines[0].startswith(b"b"):
+        first = b"POST /echo?"
+    with socket.create_connection(("127.0.0.1", impatient)) as sock:
+        sock.settimeout(5)
+        sock.sendall(first)
+        for line in header_lines:  # in pieces, as the server reads them
+            time.sleep(0.01)
+            with contextlib.suppress(OSError):  # the server may have answered and closed
+                sock.sendall(line)
+        response, waited = _until_closed(sock)
+    error = _head_refused(response)
+    assert error == {
+        "message": "the request line and headers are larger than 4096 bytes",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "headers_too_large",
+        "violations": [
+            {
+                "code": "headers_too_large",
+                "message": "the request line and headers are larger than 4096 bytes",
+                "param": None,
+            }
+        ],
+    }
+    assert waited < READ_TIMEOUT_S  # refused for its size, not timed out
+
+
+def test_a_head_just_under_the_limit_is_served(impatient):
+    padding = b"x-pad: " + b"a" * (MAX_HEADER_BYTES - 200) + b"\r\n"
+    with socket.create_connection(("127.0.0.1", impatient)) as sock:
+        sock.settimeout(5)
+        sock.sendall(_post(3, padding.decode()) + b"abc")
+        assert _echoed(sock)["sizes"] == [3]
+        sock.sendall(_post(3, padding.decode()) + b"def")  # and the next one on the connection
+        assert _echoed(sock)["sizes"] == [3]

@@ -1,9 +1,10 @@
 """Slow clients (slowloris) against a real ``modalgate serve``: connections that trickle
 a request and go silent are answered 408 and closed once ``--client-timeout`` passes,
-and hold nothing up meanwhile."""
+and hold nothing up meanwhile; a head sent without end is answered 431 at its limit."""
 
 from __future__ import annotations
 
+import contextlib
 import selectors
 import socket
 import time
@@ -83,3 +84,38 @@ def test_stalled_connections_hold_nothing_up_and_are_closed_with_408(upstream):
         assert error["code"] == "request_timeout"
     # Only the ordinary request reached the upstream.
     assert [r.path for r in toy.received if r.method == "POST"] == ["/v1/chat/completions"]
+
+
+def test_a_head_without_end_is_answered_431_and_the_gateway_keeps_its_memory(upstream):
+    toy, base = upstream
+    with GatewayProcess("--upstream", base, "--max-header-bytes", "8192") as gateway:
+        before = _rss_kib(gateway.process.pid)
+        toy.received.clear()
+        with socket.create_connection(("127.0.0.1", gateway.port)) as sock:
+            sock.settimeout(10)
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\n")
+            line = b"x-pad: " + b"a" * 1000 + b"\r\n"
+            with contextlib.suppress(OSError):  # refused and closed while sending
+                for _ in range(20_000):  # 20 MB of header lines, were they all taken
+                    sock.sendall(line)
+            response = b""
+            with contextlib.suppress(OSError):
+                while chunk := sock.recv(65536):
+                    response += chunk
+        assert response.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+        error = orjson.loads(response.partition(b"\r\n\r\n")[2])["error"]
+        assert error["code"] == "headers_too_large"
+        assert error["message"] == "the request line and headers are larger than 8192 bytes"
+        assert _rss_kib(gateway.process.pid) - before < 8 * 1024  # not the 20 MB sent
+        line = gateway.wait_for_log(lambda r: r.get("event") == "client_headers_too_large")
+        assert (line["status"], line["code"]) == (431, "headers_too_large")
+        assert httpx.post(gateway.url + "/v1/chat/completions", json=chat()).status_code == 200
+    assert [r.path for r in toy.received if r.method == "POST"] == ["/v1/chat/completions"]
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
