@@ -160,8 +160,9 @@ class _BodySoFar:
 
 class ServeHttpProtocol(CoalescingHttpToolsProtocol):
     """``modalgate serve``'s protocol: request bodies whole (above), writes coalesced,
-    the client's going away told by a callback (``ON_CLIENT_GONE``), and a silent
-    client timed out while its request is read (``read_timeout_s``; None: never)."""
+    the client's going away told by a callback (``ON_CLIENT_GONE``), a silent client
+    timed out while its request is read (``read_timeout_s``; None: never), and a
+    request's head capped in size (``max_header_bytes``)."""
 
     def __init__(
         self,
