@@ -28,6 +28,7 @@ from starlette.routing import Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modalgate.encoder_adapter import EncoderAdapter, create_encoder
+from modalgate.errors import Violation
 from modalgate.gateway.gate.auth import ApiKeyAuth, configured_keys
 from modalgate.gateway.gate.middleware import (
     DEFAULT_PATHS,
@@ -251,6 +252,12 @@ class Gateway:
     def _observe(self, outcome: GateOutcome) -> None:
         self.metrics.observe_outcome(outcome)
         log_outcome(outcome)
+
+    def protocol_refused(self, violation: Violation) -> None:
+        """Counted as a refusal before any verdict (``modalgate_requests_total``): serve's
+        protocol answered the request itself (``http_protocol.PROTOCOL_REFUSED``) and
+        logged it there."""
+        self.metrics.observe_outcome(GateOutcome.early_refusal(violation, self.gate.mode, ""))
 
     def _routes(self) -> list[Route]:
         routes = [

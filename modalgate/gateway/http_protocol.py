@@ -68,6 +68,10 @@ ON_CLIENT_GONE = "modalgate.on_client_gone"
 # status), for the access log: the app saw only the client going away.
 ANSWERED_BY_SERVER = "modalgate.answered_by_server"
 
+# An app may offer a method of this name, taking a ``Violation``, to count the requests
+# the protocol refused itself (408, 431): ``modalgate serve``'s ``Gateway`` does.
+PROTOCOL_REFUSED = "protocol_refused"
+
 logger = logging.getLogger("modalgate.protocol")
 
 
@@ -246,11 +250,16 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
             return  # llhttp refused the bytes already (uvicorn answered 400)
         self.transport.write(_head_too_large_response(self.max_header_bytes))
         self.transport.close()
-        fields = {"status": 431, "code": "headers_too_large", "client": self._client_text()}
-        logger.info("client_headers_too_large", extra={"fields": fields})
+        self._refused("client_headers_too_large", _head_too_large(self.max_header_bytes))
 
-    def _client_text(self) -> str | None:
-        return f"{self.client[0]}:{self.client[1]}" if self.client else None
+    def _refused(self, event: str, violation: Violation) -> None:
+        """Logged here (with the client's address), and counted by the app if it counts."""
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else None
+        fields = {"status": violation.status, "code": str(violation.code), "client": client}
+        logger.info(event, extra={"fields": fields})
+        count = getattr(self.app, PROTOCOL_REFUSED, None)
+        if count is not None:
+            count(violation)
 
     def _check_reading(self) -> None:
         """One timer per connection, re-armed as it fires (no timer made per request):
@@ -272,8 +281,7 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
             self.transport.write(_timed_out_response(self.read_timeout_s))
             if cycle is not None:  # its headers were in: the app is waiting for the body
                 cycle.scope.setdefault("extensions", {})[ANSWERED_BY_SERVER] = 408  # type: ignore[typeddict-item]
-            fields = {"status": 408, "code": "request_timeout", "client": self._client_text()}
-            logger.info("client_timed_out", extra={"fields": fields})
+            self._refused("client_timed_out", _timed_out(self.read_timeout_s))
         self.transport.close()  # the app waiting for the body hears http.disconnect
 
     def on_headers_complete(self) -> None:
@@ -323,26 +331,32 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
         cycle.message_event.set()
 
 
-def _timed_out_response(timeout_s: float) -> bytes:
+def _timed_out(timeout_s: float) -> Violation:
     message = f"the request did not arrive in full: nothing came for {timeout_s:g} s"
-    return _closing_answer(408, b"Request Timeout", ErrorCode.REQUEST_TIMEOUT, message)
+    return Violation(ErrorCode.REQUEST_TIMEOUT, message)
+
+
+def _head_too_large(limit: int) -> Violation:
+    message = f"the request line and headers are larger than {limit} bytes"
+    return Violation(ErrorCode.HEADERS_TOO_LARGE, message)
+
+
+def _timed_out_response(timeout_s: float) -> bytes:
+    return _closing_answer(b"Request Timeout", _timed_out(timeout_s))
 
 
 def _head_too_large_response(limit: int) -> bytes:
-    message = f"the request line and headers are larger than {limit} bytes"
-    return _closing_answer(
-        431, b"Request Header Fields Too Large", ErrorCode.HEADERS_TOO_LARGE, message
-    )
+    return _closing_answer(b"Request Header Fields Too Large", _head_too_large(limit))
 
 
 @lru_cache(maxsize=16)
-def _closing_answer(status: int, reason: bytes, code: ErrorCode, message: str) -> bytes:
+def _closing_answer(reason: bytes, violation: Violation) -> bytes:
     """A whole answer in the error envelope, written by the protocol itself; the
     connection closes after it."""
-    body = error_json([Violation(code, message)])
+    body = error_json([violation])
     head = (
         b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\nconnection: close\r\n\r\n" % (status, reason, len(body))
+        b"content-length: %d\r\nconnection: close\r\n\r\n" % (violation.status, reason, len(body))
     )
     return head + body
 

@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from conftest import chat, serve
-from gateway_proc import GatewayProcess
+from gateway_proc import GatewayProcess, metric
 from toy_upstream import ToyUpstream
 
 TIMEOUT_S = 1.0
@@ -109,6 +109,8 @@ def test_a_head_without_end_is_answered_431_and_the_gateway_keeps_its_memory(ups
         assert _rss_kib(gateway.process.pid) - before < 8 * 1024  # not the 20 MB sent
         line = gateway.wait_for_log(lambda r: r.get("event") == "client_headers_too_large")
         assert (line["status"], line["code"]) == (431, "headers_too_large")
+        rejected = {"outcome": "rejected", "code": "headers_too_large", "model": "unknown"}
+        assert metric(gateway, "modalgate_requests_total", **rejected) == 1
         assert httpx.post(gateway.url + "/v1/chat/completions", json=chat()).status_code == 200
     assert [r.path for r in toy.received if r.method == "POST"] == ["/v1/chat/completions"]
 

@@ -589,6 +589,8 @@ def test_a_client_gone_silent_mid_request_gets_408_and_nothing_reaches_the_upstr
         assert [(line["logger"], line["status"], line["code"]) for line in timed_out] == [
             ("modalgate.protocol", 408, "request_timeout")
         ] * 2
+        counted = metric(gateway, "modalgate_requests_total", code="request_timeout")
+        assert counted == 2
         # The access log tells the request the app was waiting on as the 408 it was.
         access = [line for line in gateway.log_lines() if line["event"] == "access"]
         assert [(a["method"], a["status"]) for a in access if a["method"] == "POST"] == [
