@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pybase64
 
 _WHITESPACE = re.compile(r"[\s]+")
+_WHITESPACE_BYTES = re.compile(rb"\s+")
 
 
 class Base64Error(ValueError):
@@ -33,25 +34,37 @@ def parse_data_url(url: str) -> DataUrl | None:
     return DataUrl(mime=fields[0].lower(), is_base64=is_base64, payload=url[comma + 1 :])
 
 
-def decoded_size(payload: str, *, wrapped: bool = False) -> int:
+def decoded_size(payload: str | memoryview, *, wrapped: bool = False) -> int:
     """Bytes the payload decodes to, from its length alone (exact for valid base64).
 
     ``wrapped`` discounts line breaks and spaces first: a scan, so callers ask
-    for it only when the fast answer is over a limit.
+    for it only when the fast answer is over a limit. ``payload`` may be the
+    body's own bytes (``validators.json_body.payloads_aside``).
     """
-    if wrapped:
-        payload = _WHITESPACE.sub("", payload)
+    if isinstance(payload, memoryview):
+        if wrapped:
+            payload = _WHITESPACE_BYTES.sub(b"", payload)
+        tail = bytes(payload[-2:]).decode("latin-1")
+    else:
+        if wrapped:
+            payload = _WHITESPACE.sub("", payload)
+        tail = payload[-2:]
     n = len(payload)
-    padding = 2 if payload.endswith("==") else 1 if payload.endswith("=") else 0
+    padding = 2 if tail == "==" else 1 if tail.endswith("=") else 0
     return n // 4 * 3 - padding + (n % 4 * 3 // 4)
 
 
-def decode_base64(payload: str) -> bytes:
-    """Strict decode; line-wrapped (MIME-style) base64 is accepted, as servers accept it."""
+def decode_base64(payload: str | memoryview) -> bytes:
+    """Strict decode; line-wrapped (MIME-style) base64 is accepted, as servers accept it.
+
+    A payload read from the body's bytes is decoded strictly only: its reader
+    reads the body again as text where that fails (``validators.request``).
+    """
     try:
         return pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        pass
+        if isinstance(payload, memoryview):
+            raise Base64Error("the base64 payload is not strict base64") from None
     stripped = _WHITESPACE.sub("", payload)
     if stripped != payload:
         try:

@@ -8,10 +8,15 @@ and comes out as ``null``). Validation parses with plain floats (what callers
 of ``Verdict.request`` expect); a rewrite (inlined media, a fallback model,
 embeddings) parses the body again with every float kept as its source text,
 replaces only the values it means to, and writes every number back as sent.
+
+A big body's long data URL payloads can be read where they lie (``payloads_aside``):
+the parser then sees a short token in each one's place, and the base64 is decoded
+from the body's own bytes, without a Python string of it (or a slice of that).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -28,6 +33,11 @@ _INT64 = (-(2**63), 2**64 - 1)  # orjson writes int64 and uint64
 
 Location = tuple[str | int, ...]  # keys and indexes from the body's root to a value
 
+# A data URL payload this long is set aside (``payloads_aside``); shorter ones cost
+# less as strings than the search for them.
+ASIDE_MIN_PAYLOAD = 16 * 1024
+_BASE64_MARK = b";base64,"
+
 
 def parse_json_body(body: bytes) -> Any | Violation:
     """The parsed body, or the ``invalid_json`` violation that says what is wrong with it.
@@ -40,6 +50,44 @@ def parse_json_body(body: bytes) -> Any | Violation:
         return jiter.from_json(text, allow_inf_nan=False, catch_duplicate_keys=True)
     except ValueError as exc:
         return _json_problem(body, str(exc))
+
+
+def payloads_aside(body: bytes) -> tuple[bytes, dict[str, memoryview]]:
+    """``body`` with each long data URL payload swapped for a token, and the payloads by token.
+
+    A payload is the run from ``;base64,`` to the next ``"``. Whether that run was
+    really all of one JSON string's tail, and where the tree holds it, only the
+    reader knows: it takes each token (``dict.pop``) where it reads a data URL and
+    decodes the bytes strictly, and a verdict counts only if every token was taken
+    once and decoded (``validators.request``). A strict decode proves the run holds
+    nothing but the base64 alphabet (no quote, backslash or control character), so
+    the body and the skeleton have the same structure: the skeleton is the body
+    with those strings shortened. The tokens hold 64 random bits, so no client can
+    write one elsewhere in its body, and a ``-``, outside the base64 alphabet, so a
+    token read as a payload never decodes.
+    """
+    start = body.find(_BASE64_MARK)
+    if start < 0:
+        return body, {}
+    view, nonce = memoryview(body), os.urandom(8).hex()
+    pieces: list[bytes | memoryview] = []
+    aside: dict[str, memoryview] = {}
+    done = 0
+    while start >= 0:
+        begin = start + len(_BASE64_MARK)
+        end = body.find(b'"', begin)
+        if end < 0:
+            break
+        if end - begin >= ASIDE_MIN_PAYLOAD:
+            token = f"{nonce}-{len(aside)}"
+            pieces += (view[done:begin], token.encode())
+            aside[token] = view[begin:end]
+            done = end
+        start = body.find(_BASE64_MARK, end)
+    if not aside:
+        return body, {}
+    pieces.append(view[done:])
+    return b"".join(pieces), aside
 
 
 def rewrite_json_body(body: bytes, replacements: Iterable[tuple[Location, Any]]) -> bytes:

@@ -31,7 +31,14 @@ def _violation(code: ErrorCode, part: PartDraft, message: str) -> Violation:
     return Violation(code, f"{param}: {message}", param)
 
 
-def cheap_violations(part: PartDraft, rule: ResolvedRule, urls: MediaUrls) -> list[Violation]:
+def cheap_violations(
+    part: PartDraft,
+    rule: ResolvedRule,
+    urls: MediaUrls,
+    aside: dict[str, memoryview] | None = None,
+) -> list[Violation]:
+    """``aside``: payloads read from the body's bytes, by the token that stands for each
+    (``json_body.payloads_aside``); a part whose payload is a token takes it, once."""
     if part.url is not None:
         reason = url_refusal(part.url, urls)
         return [_violation(ErrorCode.URL_NOT_ALLOWED, part, reason)] if reason else []
@@ -52,6 +59,8 @@ def cheap_violations(part: PartDraft, rule: ResolvedRule, urls: MediaUrls) -> li
                 )
             ]
         part.mime, part.payload = data_url.mime or None, data_url.payload
+        if aside:
+            part.payload = aside.pop(data_url.payload, data_url.payload)
         claimed = mime_modality(data_url.mime)
         if (
             part.modality != "file"

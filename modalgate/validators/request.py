@@ -31,7 +31,7 @@ from modalgate.validators.dialects import (
     dialect_for,
 )
 from modalgate.validators.endpoints import walk_completions, walk_generate, walk_pooling_input
-from modalgate.validators.json_body import parse_json_body
+from modalgate.validators.json_body import ASIDE_MIN_PAYLOAD, parse_json_body, payloads_aside
 from modalgate.validators.media_checks import (
     budget_violations,
     cheap_violations,
@@ -46,7 +46,13 @@ from modalgate.validators.messages import (
     walk_messages,
 )
 from modalgate.validators.parts import PART_KINDS
-from modalgate.validators.verdict import Verdict, VerdictBuilder, accepted, refused
+from modalgate.validators.verdict import (
+    Verdict,
+    VerdictBuilder,
+    accepted,
+    refused,
+    with_unparsed_request,
+)
 
 _NAMES = {
     "image": "images",
@@ -111,6 +117,10 @@ def validate_body(
     dialect: DialectOf | None = None,
 ) -> Verdict:
     """The whole check for one request body."""
+    if len(body) > ASIDE_MIN_PAYLOAD:
+        verdict = _with_payloads_aside(body, matcher, api, served, dialect)
+        if verdict is not None:
+            return verdict
     request = parse_json_body(body)
     if type(request) is dict:  # the common case first, arguments by position: cheaper
         return validate_request(request, matcher, len(body), api, served, dialect)
@@ -120,6 +130,34 @@ def validate_body(
     return refused(not_object, matcher.mode)
 
 
+def _with_payloads_aside(
+    body: bytes,
+    matcher: RuleMatcher,
+    api: Api,
+    served: ServedModel | None,
+    dialect: DialectOf | None,
+) -> Verdict | None:
+    """The verdict on ``body`` read with its long data URL payloads aside, where it accepts.
+
+    ``None`` where the body is to be read whole instead: nothing was set aside, the
+    skeleton does not parse, a payload was not taken where a data URL is read or did
+    not decode strictly, or anything was refused (refusals are worded from the whole
+    body). An accepted verdict proves the skeleton and the body differ only in those
+    payloads (``json_body.payloads_aside``), so the whole body would be accepted
+    too, with the same parts; its ``request`` is parsed when first read.
+    """
+    skeleton, aside = payloads_aside(body)
+    if not aside:
+        return None
+    request = parse_json_body(skeleton)
+    if type(request) is not dict:
+        return None
+    verdict = validate_request(request, matcher, len(body), api, served, dialect, aside=aside)
+    if aside or not verdict.accepted:
+        return None
+    return with_unparsed_request(verdict, body)
+
+
 def validate_request(
     request: dict[str, Any],
     matcher: RuleMatcher,
@@ -127,6 +165,8 @@ def validate_request(
     api: Api = "chat",
     served: ServedModel | None = None,
     dialect: DialectOf | None = None,
+    *,
+    aside: dict[str, memoryview] | None = None,
 ) -> Verdict:
     """Validate an already-parsed request; ``body_size`` enables the per-model body cap.
 
@@ -137,6 +177,9 @@ def validate_request(
     ``served`` says which model really answers a request routed by its rule (an
     upstream that serves one model ignores the name, or serves its default): the
     request is judged as that model, whatever name it carries.
+
+    ``aside``: payloads set aside from the body (``json_body.payloads_aside``); each
+    data URL part whose payload is a token takes its bytes from there.
     """
     model = request.get("model")
     named = model if isinstance(model, str) else None
@@ -187,8 +230,9 @@ def validate_request(
     if not verdict.violations:
         _check_counts(rule, verdict)
     if not verdict.violations:
+        urls = matcher.policy.media_urls
         for part in verdict.parts:
-            verdict.violations.extend(cheap_violations(part, rule, matcher.policy.media_urls))
+            verdict.violations.extend(cheap_violations(part, rule, urls, aside))
     if not verdict.violations:
         for part in verdict.parts:
             verdict.violations.extend(probe_violations(part, rule))

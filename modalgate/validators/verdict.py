@@ -15,7 +15,7 @@ import pybase64
 
 from modalgate.errors import Violation, status_of
 from modalgate.policy.matching import ResolvedRule
-from modalgate.validators.json_body import Location, location_of
+from modalgate.validators.json_body import Location, location_of, parse_json_body
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +44,8 @@ class MediaPart:
     data: bytes | None = field(default=None, repr=False)
     # The URL sits where a data URL may stand instead, so fetched bytes can be inlined.
     inlinable: bool = False
-    payload: str | None = field(default=None, repr=False)  # the base64 text, until decoded
+    # The base64 text (or the body's bytes of it: ``json_body.payloads_aside``), until decoded.
+    payload: str | memoryview | None = field(default=None, repr=False)
 
     @property
     def payload_at(self) -> str:
@@ -164,7 +165,7 @@ class PartDraft:
     type_param: str | None = None
     data: bytes | None = field(default=None, repr=False)
     inlinable: bool = False
-    payload: str | None = field(default=None, repr=False)
+    payload: str | memoryview | None = field(default=None, repr=False)
 
     @property
     def payload_at(self) -> str:
@@ -238,6 +239,45 @@ class VerdictBuilder:
 
 
 _NONE: frozenset[str] = frozenset()
+
+
+class UnparsedBody:
+    """A verdict's ``request`` not parsed yet: the body it was judged on, read with its long
+    payloads aside (``json_body.payloads_aside``). Whoever reads ``Verdict.request``
+    gets the parsed body, parsed then, once; a proxy that forwards the bytes never
+    pays for a tree of them."""
+
+    __slots__ = ("body",)
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+
+_request_slot: Any = Verdict.__dict__["request"]  # the slot dataclass(slots=True) made
+
+
+def _parsed_request(verdict: Verdict) -> dict[str, Any] | None:
+    request = _request_slot.__get__(verdict, Verdict)
+    if type(request) is UnparsedBody:
+        # The body was read before, its payloads aside, and accepted: it parses.
+        request = parse_json_body(request.body)
+        _request_slot.__set__(verdict, request)
+    return request
+
+
+Verdict.request = property(  # type: ignore[assignment,method-assign]
+    _parsed_request,
+    _request_slot.__set__,
+    doc="The parsed request body (parsed on first read "
+    "where validation read it with its payloads aside).",
+)
+
+
+def with_unparsed_request(verdict: Verdict, body: bytes) -> Verdict:
+    """``verdict`` (just built, not handed out yet), its ``request`` left to be parsed from
+    ``body`` when first read."""
+    _request_slot.__set__(verdict, UnparsedBody(body))
+    return verdict
 
 
 def accepted(
