@@ -9,7 +9,9 @@ again; the gate reads every gated body whole anyway. Here the chunks are kept as
 received and joined once (under the image load of ``benchmarks/p7_proxies.py``,
 ~0.3 ms of the gateway's CPU per request). The reads that follow the headers go to
 the body straight, past llhttp, which would copy each into a new bytes object only
-to hand it over (~6% more), and a fresh parser takes the next request. A body
+to hand it over (~6% more), and a fresh parser takes the next request. Where 64 KiB
+or more are still to come, the kernel reads them into the body's own ``bytes``
+(``body_reader``): no copy per read, no join (~11% of the image request's CPU). A body
 without a length (chunked: a client streaming as it goes) or a longer one is handed
 over as it arrives, as uvicorn does.
 
@@ -47,10 +49,14 @@ from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from modalgate.errors import ErrorCode, Violation, error_json
+from modalgate.gateway.body_reader import WholeBodyReader
 
 # Past this many bytes held, writes go out at once: a fast upstream's stream
 # must not pile up here while the loop turn goes on.
 FLUSH_AT_BYTES = 64 * 1024
+# The rest of a whole body, from this size on, is read into it in place (``body_reader``);
+# less arrives in a read or two, not worth swapping protocols for.
+IN_PLACE_MIN_BYTES = 64 * 1024
 # A request body of a declared length up to this is handed to the app whole (the gate
 # reads up to the policy's max_body_bytes, 64 MiB by default, whole in any case).
 WHOLE_BODY_BYTES = 4 * 1024 * 1024
@@ -205,6 +211,8 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
                 self._head_bytes += len(data)
                 if self._head_bytes > self.max_header_bytes:
                     self._refuse_head()
+            elif self._body_left >= IN_PLACE_MIN_BYTES:
+                self._read_body_in_place()
             return
         # The rest of a whole body of known length: kept as read. llhttp would copy each
         # read into a new bytes object to hand it over; it learns nothing from the bytes.
@@ -218,6 +226,30 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
         self.on_message_complete()
         if len(data) > left:  # a pipelined request follows
             super().data_received(data[left:])
+
+    def _read_body_in_place(self) -> None:
+        """The rest of this whole body read straight into it (``body_reader``), unless
+        something else holds the reads: flow control, an answer already sent, a close."""
+        cycle = self.cycle
+        if self.flow.read_paused or cycle.response_complete or self.transport.is_closing():
+            return  # the reads go on through data_received
+        so_far = cycle.body
+        start = so_far.chunks if type(so_far) is _BodySoFar else (so_far,)
+        size = len(so_far) + self._body_left
+        transport = self.transport.transport  # type: ignore[attr-defined]
+        WholeBodyReader(self, transport, start, size, self._note_read, self._body_in_place)
+
+    def _note_read(self) -> None:
+        self._last_read = self.loop.time()
+
+    def _body_in_place(self, body: bytes) -> None:
+        self._body_left = 0
+        cycle = self.cycle
+        if not cycle.response_complete:
+            so_far = cycle.body = _BodySoFar(bytearray(), whole=True)
+            so_far += body
+        self._fresh_parser()  # the old one is mid-body; the next request starts anew
+        self.on_message_complete()
 
     def on_body_read(self, data: bytes) -> None:
         cycle = self.cycle
@@ -267,7 +299,12 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
         timer is set for the time left."""
         assert self.read_timeout_s is not None
         self._read_timer = None
-        if self._gone or self.transport.is_closing() or self.transport.get_protocol() is not self:
+        protocol = self.transport.get_protocol()
+        if (
+            self._gone
+            or self.transport.is_closing()
+            or (protocol is not self and getattr(protocol, "owner", None) is not self)
+        ):
             return  # closed, or upgraded to a websocket
         silent_for = self.loop.time() - self._last_read
         if not self._reading or self.flow.read_paused or silent_for < self.read_timeout_s:

@@ -22,7 +22,8 @@ import pytest
 import uvicorn
 
 from conftest import serve
-from modalgate.gateway import http_protocol
+from modalgate.gateway import body_reader, http_protocol
+from modalgate.gateway.body_reader import WholeBodyReader, as_bytes, writable_bytes
 from modalgate.gateway.http_protocol import FLUSH_AT_BYTES, ON_CLIENT_GONE, ServeHttpProtocol
 
 WRITES: list[int] = []  # sizes of the real transport's writes, in order
@@ -248,6 +249,75 @@ def test_a_body_of_declared_length_reaches_the_app_whole(server):
         assert _echoed(sock)["sizes"] == [3]
 
 
+READERS: list[WholeBodyReader] = []
+
+
+class _SeenReader(WholeBodyReader):
+    def __init__(self, *args: Any) -> None:
+        READERS.append(self)
+        super().__init__(*args)
+
+
+@pytest.fixture
+def readers(monkeypatch) -> list[WholeBodyReader]:
+    """The in-place body readers made while the test runs."""
+    READERS.clear()
+    monkeypatch.setattr(http_protocol, "WholeBodyReader", _SeenReader)
+    return READERS
+
+
+@pytest.fixture(scope="module", params=["uvloop", "asyncio"])
+def any_loop_server(request) -> Iterator[int]:
+    """uvloop picks a protocol's read callbacks when reading starts; asyncio at each read."""
+    yield from _serving(CountingProtocol, loop=request.param)
+
+
+@pytest.mark.parametrize("pieces", [1, 7])
+def test_the_rest_of_a_big_body_is_read_in_place(any_loop_server, readers, pieces):
+    """Past the header read, the body goes straight into its bytes object, and the
+    protocol is put back for the next request on the connection."""
+    body = bytes(range(256)) * 3000 + b"end"
+    with socket.create_connection(("127.0.0.1", any_loop_server)) as sock:
+        sock.settimeout(5)
+        sock.sendall(_post(len(body)) + body[:10])
+        time.sleep(0.05)
+        _send_in_pieces(sock, body[10:], pieces)
+        assert _echoed(sock) == {"sizes": [len(body)], "sha256": hashlib.sha256(body).hexdigest()}
+        sock.sendall(_post(3) + b"abc")
+        assert _echoed(sock)["sizes"] == [3]
+        assert len(readers) == 1
+        assert readers[0].transport.get_protocol() is readers[0].owner
+
+
+def test_a_small_rest_of_a_body_is_not_read_in_place(server, readers):
+    body = b"y" * (http_protocol.IN_PLACE_MIN_BYTES - 1)
+    with socket.create_connection(("127.0.0.1", server)) as sock:
+        sock.settimeout(5)
+        sock.sendall(_post(len(body)))
+        time.sleep(0.05)
+        sock.sendall(body)
+        assert _echoed(sock)["sizes"] == [len(body)]
+    assert readers == []
+
+
+def test_writable_bytes_are_bytes_filled_in_place():
+    body, view = writable_bytes(6)
+    view[:3] = b"abc"
+    view[3:] = b"def"
+    assert type(body) is bytes and body == b"abcdef" and hash(body) == hash(b"abcdef")
+    made = [writable_bytes(1000)[0] for _ in range(3)]
+    assert len({id(one) for one in made}) == 3  # fresh objects, not shared ones
+    with pytest.raises(ValueError):
+        writable_bytes(1)  # CPython shares its one-byte objects
+
+
+def test_writable_bytes_elsewhere_are_a_bytearray_copied_once(monkeypatch):
+    monkeypatch.setattr(body_reader, "_CPYTHON", False)
+    body, view = writable_bytes(4)
+    view[:] = b"wxyz"
+    assert type(body) is bytearray and as_bytes(body) == b"wxyz"
+
+
 def test_a_request_after_a_whole_body_in_the_same_read_is_parsed_afresh(server):
     """The rest of a whole body is read past the HTTP parser; the request pipelined
     behind it (in the same read as the body's end) is parsed as any other."""
@@ -415,6 +485,23 @@ def test_a_body_that_stops_arriving_is_answered_408_and_the_app_hears_a_disconne
     assert {key: error[key] for key in TIMED_OUT} == TIMED_OUT
     assert READ_TIMEOUT_S * 0.8 < waited < READ_TIMEOUT_S + 2
     assert DISCONNECTED.wait(5)  # the app waiting for the body is let go
+
+
+def test_a_body_read_in_place_that_stops_arriving_is_answered_408(impatient, readers):
+    DISCONNECTED.clear()
+    with socket.create_connection(("127.0.0.1", impatient)) as sock:
+        sock.settimeout(5)
+        sock.sendall(_post(500_000) + b"x" * 100)
+        time.sleep(0.05)
+        for _ in range(3):  # slow, but arriving: no timeout
+            sock.sendall(b"x" * 50_000)
+            time.sleep(READ_TIMEOUT_S / 2)
+        response, waited = _until_closed(sock)
+    assert len(readers) == 1
+    error = _timed_out(response)
+    assert {key: error[key] for key in TIMED_OUT} == TIMED_OUT
+    assert READ_TIMEOUT_S * 0.3 < waited < READ_TIMEOUT_S + 2
+    assert DISCONNECTED.wait(5)
 
 
 def test_headers_that_stop_arriving_are_answered_408(impatient):
