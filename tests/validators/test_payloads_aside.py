@@ -53,8 +53,12 @@ def test_an_accepted_image_is_read_aside_and_its_request_parsed_when_read(full_m
     assert verdict.accepted and read_aside(verdict)
     assert verdict.parts[0].data == PNG and verdict.parts[0].payload is None
     assert (verdict.parts[0].width, verdict.parts[0].height) == (96, 96)
+    assert type(verdict) is not Verdict and isinstance(verdict, Verdict)
     assert verdict.request == orjson.loads(raw)  # parsed on this first read
     assert not read_aside(verdict)
+    assert type(verdict) is Verdict  # a plain verdict from then on
+    # Plain verdicts keep the slot: no property on the path every text-only request takes.
+    assert type(Verdict.__dict__["request"]).__name__ == "member_descriptor"
     assert_same(raw, full_matcher)
 
 
