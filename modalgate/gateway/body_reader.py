@@ -16,10 +16,11 @@ when every byte has been written, and nothing else sees it before. Where that C
 API is not there (not CPython), it is a ``bytearray`` copied to ``bytes`` once.
 
 The whole declared length (at most ``http_protocol.WHOLE_BODY_BYTES``) is allocated
-when the reader starts, but the allocator maps a block that size without touching
-it: its pages become resident as the client's bytes are written in (200 readers
-of 4 MiB each, nothing received: +2 MiB resident), so a client that declares a
-length and sends nothing holds no more memory than before.
+when the reader starts, but the allocator hands out a block that size without
+touching it: its pages become resident as the client's bytes are written in (200
+readers of 4 MiB each, nothing received: +1-2 MiB resident, with and without
+``server.reuse_big_buffers``), so a client that declares a length and sends nothing
+holds no more memory than before.
 """
 
 from __future__ import annotations

@@ -259,8 +259,8 @@ _request_slot: Any = Verdict.__dict__["request"]  # the slot dataclass(slots=Tru
 class _UnparsedVerdict(Verdict):
     """A Verdict whose ``request`` slot holds an ``UnparsedBody``: parsed on first read,
     after which the object is a plain Verdict. A subclass, so that the plain Verdict's
-    ``request`` stays a slot (a property there cost every text-only verdict ~1,200
-    instructions for its one write)."""
+    ``request`` stays a slot (a property there cost every text-only verdict ~600
+    instructions for its one write: P9's gate 40,811 against 40,192)."""
 
     __slots__ = ()
 
