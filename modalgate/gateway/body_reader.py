@@ -44,7 +44,9 @@ def writable_bytes(size: int) -> tuple[bytes | bytearray, memoryview]:
     """A new object of ``size`` bytes (contents undefined) and a writable view of them.
 
     Hand the object on only once the view has written every byte. ``size`` must be at
-    least 2 (CPython shares its empty and one-byte objects).
+    least 2 (CPython shares its empty and one-byte objects). The view keeps the object
+    alive (a ctypes array over foreign memory would not): drop it once the object is
+    full, or it holds the body as long as it lives.
     """
     if size < 2:
         raise ValueError("at least 2 bytes")
@@ -53,6 +55,7 @@ def writable_bytes(size: int) -> tuple[bytes | bytearray, memoryview]:
         return buffer, memoryview(buffer)
     body = _new_bytes(None, size)
     data = (ctypes.c_ubyte * size).from_address(id(body) + _DATA_OFFSET)
+    data.owner = body  # type: ignore[attr-defined]
     return body, memoryview(data).cast("B")
 
 
@@ -99,8 +102,11 @@ class WholeBodyReader(asyncio.BufferedProtocol):
         self._read()
         if self._filled < len(self._view):
             return
+        # uvloop keeps this reader's bound methods after the swap back (until the next
+        # buffered protocol replaces them): the reader must not keep the body.
+        body, self._body, self._view = self._body, b"", memoryview(b"")
         _switch(self.transport, self.owner)
-        self._done(as_bytes(self._body))
+        self._done(as_bytes(body))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.owner.connection_lost(exc)
@@ -118,7 +124,11 @@ class WholeBodyReader(asyncio.BufferedProtocol):
 
 def _switch(transport: asyncio.Transport, protocol: asyncio.BaseProtocol) -> None:
     """``protocol`` on ``transport`` from its next read on. uvloop picks its read callbacks
-    (buffered or not) when reading starts, so reading is restarted around the swap."""
-    transport.pause_reading()
+    (buffered or not) when reading starts, so reading is restarted around the swap; a
+    transport whose reading was paused stays paused (it picks them when resumed)."""
+    reading = transport.is_reading()
+    if reading:
+        transport.pause_reading()
     transport.set_protocol(protocol)
-    transport.resume_reading()
+    if reading:
+        transport.resume_reading()

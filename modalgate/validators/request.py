@@ -179,7 +179,9 @@ def validate_request(
     request is judged as that model, whatever name it carries.
 
     ``aside``: payloads set aside from the body (``json_body.payloads_aside``); each
-    data URL part whose payload is a token takes its bytes from there.
+    data URL part whose payload is a token takes its bytes from there. Where a token is
+    left once every part has taken its own, the verdict is returned unfinished, before
+    the images are decoded: the caller reads the body whole instead.
     """
     model = request.get("model")
     named = model if isinstance(model, str) else None
@@ -233,6 +235,8 @@ def validate_request(
         urls = matcher.policy.media_urls
         for part in verdict.parts:
             verdict.violations.extend(cheap_violations(part, rule, urls, aside))
+        if aside:  # a token no data URL took: the caller reads the body whole; stop here
+            return verdict.build()
     if not verdict.violations:
         for part in verdict.parts:
             verdict.violations.extend(probe_violations(part, rule))

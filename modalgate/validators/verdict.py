@@ -278,6 +278,18 @@ class _UnparsedVerdict(Verdict):
     def request(self, value: dict[str, Any] | None) -> None:  # the dataclass __init__'s write
         _request_slot.__set__(self, value)
 
+    def __eq__(self, other: object) -> bool:
+        # The dataclass's __eq__ wants one class on both sides: plain verdicts, once parsed.
+        if not isinstance(other, Verdict):
+            return NotImplemented
+        _ = self.request, other.request
+        return self == other
+
+
+def request_unparsed(verdict: Verdict) -> bool:
+    """Whether reading ``verdict.request`` will parse the body first (a big body's worth)."""
+    return type(verdict) is _UnparsedVerdict
+
 
 def with_unparsed_request(verdict: Verdict, body: bytes) -> Verdict:
     """``verdict`` (just built, not handed out yet), its ``request`` left to be parsed from

@@ -11,15 +11,19 @@ mutations of a body.
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
 from typing import Any
 
 import orjson
 import pytest
 
 import modalgate.validators.request as request_module
+import modalgate.validators.verdict as verdict_module
 from conftest import animated_gif, body, chat, data_url, image_part, noise_png
 from modalgate.errors import ErrorCode
+from modalgate.gateway.gate.middleware import parsed_request
 from modalgate.validators import validate_body
 from modalgate.validators.json_body import ASIDE_MIN_PAYLOAD, payloads_aside
 from modalgate.validators.verdict import UnparsedBody, Verdict, _request_slot
@@ -246,3 +250,54 @@ def test_random_mutations_get_the_whole_bodys_verdict(full_matcher):
         outcomes["accepted" if verdict.accepted else "refused"] += 1
     # Both sides of the line were exercised.
     assert min(outcomes.values()) >= MUTATIONS // 10, outcomes
+
+
+def test_a_token_left_untaken_stops_before_the_images_are_decoded(full_matcher, monkeypatch):
+    """A long base64 run where no data URL is read (here in ``metadata``) sends the body to
+    the whole reading; the shortcut gives up before probing, so each image is probed once."""
+    raw = body({**chat(image_part(data_url(PNG)), image_part(data_url(JPEG_LIKE)))})
+    raw = raw[:-1] + b',"metadata":{"note":"' + data_url(PNG).encode() + b'"}}'
+    probed: list[str] = []
+    real_probe = request_module.probe_violations
+
+    def counting_probe(part: Any, rule: Any) -> Any:
+        probed.append(part.param)
+        return real_probe(part, rule)
+
+    monkeypatch.setattr(request_module, "probe_violations", counting_probe)
+    verdict = validate_body(raw, full_matcher)
+    assert verdict.accepted and not read_aside(verdict)
+    assert len(probed) == 2  # the whole reading's two images, not four
+
+
+def test_verdicts_compare_equal_before_their_request_is_read(full_matcher):
+    raw = body(chat(image_part(data_url(PNG))))
+    quick, reference = validate_body(raw, full_matcher), whole(raw, full_matcher)
+    assert read_aside(quick)
+    assert quick == reference and reference == quick
+    assert not read_aside(quick)
+
+
+def test_the_gateway_parses_a_deferred_request_off_the_event_loop(full_matcher, monkeypatch):
+    """The dry run and the embeds rewrite read ``verdict.request`` on the loop: a body read
+    with its payloads aside is parsed in a worker thread, as its validation was."""
+    raw = body(chat(image_part(data_url(PNG))))
+    verdict = validate_body(raw, full_matcher)
+    assert read_aside(verdict)
+    parsed_in: list[str] = []
+    real_parse = verdict_module.parse_json_body
+
+    def noting_parse(text: bytes) -> Any:
+        parsed_in.append(threading.current_thread().name)
+        return real_parse(text)
+
+    monkeypatch.setattr(verdict_module, "parse_json_body", noting_parse)
+
+    async def read_on_the_loop() -> Any:
+        return await parsed_request(verdict), threading.current_thread().name
+
+    request, loop_thread = asyncio.run(read_on_the_loop())
+    assert request == orjson.loads(raw) and not read_aside(verdict)
+    assert len(parsed_in) == 1 and parsed_in[0] != loop_thread
+    assert asyncio.run(parsed_request(verdict)) is request  # plain now: no second parse
+    assert len(parsed_in) == 1

@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from functools import partial
 from os import PathLike
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import anyio.to_thread
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, payload_too_large
@@ -35,6 +36,7 @@ from modalgate.policy.endpoints import EndpointTable
 from modalgate.validators import Verdict, validate_body
 from modalgate.validators.dialects import Dialect
 from modalgate.validators.request import Api, DialectOf, ServedModel
+from modalgate.validators.verdict import request_unparsed
 
 DEFAULT_PATHS = ("/v1/chat/completions", "/chat/completions")
 # The Responses API (vLLM and SGLang serve it too): the same checks on its ``input``.
@@ -343,6 +345,15 @@ class ModalGate:
 def get_verdict(scope: Scope) -> Verdict | None:
     """The Verdict ModalGate attached to an accepted request (``request.state`` in Starlette)."""
     return scope.get("state", {}).get(VERDICT_STATE_KEY)
+
+
+async def parsed_request(verdict: Verdict) -> dict[str, Any] | None:
+    """``verdict.request``, read from the event loop: where validation left it unparsed
+    (a big body read with its payloads aside), it is parsed in a worker thread, as the
+    body's validation was."""
+    if request_unparsed(verdict):
+        return await anyio.to_thread.run_sync(lambda: verdict.request)
+    return verdict.request
 
 
 def _with_header(send: Send, name: bytes, value: bytes) -> Send:

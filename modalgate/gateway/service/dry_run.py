@@ -19,7 +19,7 @@ from uuid import uuid4
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from modalgate.gateway.gate.middleware import get_verdict
+from modalgate.gateway.gate.middleware import get_verdict, parsed_request
 from modalgate.gateway.gate.send import json_bytes
 from modalgate.validators import Verdict
 
@@ -30,7 +30,7 @@ async def dry_run_endpoint(request: Request) -> Response:
     verdict = get_verdict(request.scope)
     if verdict is None:  # only reachable if the app is served without its gate
         return Response(status_code=500)
-    streamed = bool((verdict.request or {}).get("stream"))
+    streamed = bool((await parsed_request(verdict) or {}).get("stream"))
     if verdict.api == "responses":
         response = response_object(verdict)
         if streamed:

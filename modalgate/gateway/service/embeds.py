@@ -32,6 +32,7 @@ import pybase64
 
 from modalgate.encoder_adapter.protocol import EncoderAdapter
 from modalgate.errors import ErrorCode, Violation
+from modalgate.gateway.gate.middleware import parsed_request
 from modalgate.policy.models import EmbedsSpec, ModelRule
 from modalgate.validators.json_body import Location, location_of
 from modalgate.validators.verdict import MediaPart, Verdict
@@ -116,7 +117,7 @@ async def rewrite_to_embeds(
     Serialising the tensors (megabytes each) runs in a worker thread. Call it after
     remote images were fetched: a part without bytes cannot be encoded.
     """
-    request = verdict.request
+    request = await parsed_request(verdict)
     if request is None or not verdict.accepted:
         raise ValueError("rewrite_to_embeds needs an accepted verdict with its request")
     images = [part for part in verdict.parts if part.modality == "image"]
