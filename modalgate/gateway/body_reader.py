@@ -112,8 +112,7 @@ class WholeBodyReader(asyncio.BufferedProtocol):
         self.owner.connection_lost(exc)
 
     def eof_received(self) -> bool | None:
-        result: bool | None = self.owner.eof_received()
-        return result
+        return self.owner.eof_received()  # type: ignore[no-any-return]
 
     def pause_writing(self) -> None:
         self.owner.pause_writing()

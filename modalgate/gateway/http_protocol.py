@@ -150,8 +150,8 @@ class _BodySoFar:
 
     __slots__ = ("chunks", "size", "whole")
 
-    def __init__(self, start: bytearray, whole: bool) -> None:
-        self.chunks: list[bytes] = [bytes(start)] if start else []
+    def __init__(self, start: bytes | bytearray, whole: bool) -> None:
+        self.chunks: list[bytes] = [bytes(start)] if start else []  # bytes: the same object
         self.size = len(start)
         self.whole = whole  # held until the request's end
 
@@ -221,9 +221,7 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
             self.on_body_read(data)
             return
         self.on_body_read(data if len(data) == left else data[:left])
-        self._body_left = 0
-        self._fresh_parser()  # the old one is mid-body; the next request starts anew
-        self.on_message_complete()
+        self._body_whole()
         if len(data) > left:  # a pipelined request follows
             super().data_received(data[left:])
 
@@ -243,11 +241,13 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
         self._last_read = self.loop.time()
 
     def _body_in_place(self, body: bytes) -> None:
+        if not self.cycle.response_complete:
+            self.cycle.body = _BodySoFar(body, whole=True)
+        self._body_whole()
+
+    def _body_whole(self) -> None:
+        """A whole body read past llhttp is in: the app wakes, a fresh parser reads on."""
         self._body_left = 0
-        cycle = self.cycle
-        if not cycle.response_complete:
-            so_far = cycle.body = _BodySoFar(bytearray(), whole=True)
-            so_far += body
         self._fresh_parser()  # the old one is mid-body; the next request starts anew
         self.on_message_complete()
 

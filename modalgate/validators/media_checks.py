@@ -58,9 +58,9 @@ def cheap_violations(
                     "data URLs must be base64-encoded (data:<mime>;base64,<data>)",
                 )
             ]
-        part.mime, part.payload = data_url.mime or None, data_url.payload
-        if aside:
-            part.payload = aside.pop(data_url.payload, data_url.payload)
+        # A token for a payload set aside takes its bytes (once: ``dict.pop``).
+        payload = aside.pop(data_url.payload, data_url.payload) if aside else data_url.payload
+        part.mime, part.payload = data_url.mime or None, payload
         claimed = mime_modality(data_url.mime)
         if (
             part.modality != "file"

@@ -241,35 +241,25 @@ class VerdictBuilder:
 _NONE: frozenset[str] = frozenset()
 
 
-class UnparsedBody:
-    """A verdict's ``request`` not parsed yet: the body it was judged on, read with its long
-    payloads aside (``json_body.payloads_aside``). Whoever reads ``Verdict.request``
-    gets the parsed body, parsed then, once; a proxy that forwards the bytes never
-    pays for a tree of them."""
-
-    __slots__ = ("body",)
-
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-
-
 _request_slot: Any = Verdict.__dict__["request"]  # the slot dataclass(slots=True) made
 
 
 class _UnparsedVerdict(Verdict):
-    """A Verdict whose ``request`` slot holds an ``UnparsedBody``: parsed on first read,
-    after which the object is a plain Verdict. A subclass, so that the plain Verdict's
-    ``request`` stays a slot (a property there cost every text-only verdict ~600
-    instructions for its one write: P9's gate 40,811 against 40,192)."""
+    """A Verdict whose ``request`` slot holds the body it was judged on, read with its long
+    payloads aside (``json_body.payloads_aside``): parsed on first read, after which the
+    object is a plain Verdict. A proxy that forwards the bytes never pays for a tree of
+    them. A subclass, so that the plain Verdict's ``request`` stays a slot (a property
+    there cost every text-only verdict ~600 instructions for its one write: P9's gate
+    40,811 against 40,192)."""
 
     __slots__ = ()
 
     @property  # type: ignore[override]
     def request(self) -> dict[str, Any] | None:
         request = _request_slot.__get__(self, Verdict)
-        if type(request) is UnparsedBody:
+        if type(request) is bytes:  # a copy made before the first read holds the tree
             # The body was read before, its payloads aside, and accepted: it parses.
-            request = parse_json_body(request.body)
+            request = parse_json_body(request)
             _request_slot.__set__(self, request)
         object.__setattr__(self, "__class__", Verdict)
         return request  # type: ignore[no-any-return]
@@ -294,7 +284,7 @@ def request_unparsed(verdict: Verdict) -> bool:
 def with_unparsed_request(verdict: Verdict, body: bytes) -> Verdict:
     """``verdict`` (just built, not handed out yet), its ``request`` left to be parsed from
     ``body`` when first read."""
-    _request_slot.__set__(verdict, UnparsedBody(body))
+    _request_slot.__set__(verdict, body)
     object.__setattr__(verdict, "__class__", _UnparsedVerdict)
     return verdict
 

@@ -26,7 +26,7 @@ from modalgate.errors import ErrorCode
 from modalgate.gateway.gate.middleware import parsed_request
 from modalgate.validators import validate_body
 from modalgate.validators.json_body import ASIDE_MIN_PAYLOAD, payloads_aside
-from modalgate.validators.verdict import UnparsedBody, Verdict, _request_slot
+from modalgate.validators.verdict import Verdict, _request_slot
 
 PNG = noise_png(96, 96, seed=1)  # ~27 KB: a payload past ASIDE_MIN_PAYLOAD
 JPEG_LIKE = noise_png(100, 90, seed=2)
@@ -40,7 +40,7 @@ def whole(raw: bytes, matcher: Any) -> Verdict:
 
 
 def read_aside(verdict: Verdict) -> bool:
-    return type(_request_slot.__get__(verdict, Verdict)) is UnparsedBody
+    return type(_request_slot.__get__(verdict, Verdict)) is bytes  # the body, unparsed
 
 
 def assert_same(raw: bytes, matcher: Any) -> Verdict:
