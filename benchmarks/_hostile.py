@@ -44,7 +44,7 @@ from PIL import Image
 
 # The media stubs the tests use (tests/media_stubs.py), one copy for both.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from media_stubs import MP4_BYTES, PDF_BYTES, WAV_BYTES, png_bomb
+from media_stubs import MP4_BYTES, PDF_BYTES, WAV_BYTES, jpeg_with, png_bomb, png_with_chunks
 
 # ---------------------------------------------------------------- media bytes
 
@@ -88,6 +88,9 @@ class Media:
             "tiff": (_image("TIFF", size=(8, 8)), "image/tiff"),
             "bomb": (png_bomb(), "image/png"),
             "wide_bomb": (png_bomb(200_000, 2), "image/png"),
+            # Past the walk's entry budget (media/walk_budget.py): empty segments, chunks.
+            "padded_jpeg": (jpeg_with(b"\xff\xfe\x00\x02" * 5000), "image/jpeg"),
+            "padded_png": (png_with_chunks(5000), "image/png"),
             "mp4": (MP4_BYTES, "video/mp4"),
             "wav": (WAV_BYTES, "audio/wav"),
             "pdf": (PDF_BYTES, "application/pdf"),

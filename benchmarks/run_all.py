@@ -28,6 +28,7 @@ SCRIPTS = (
     "p7_proxies.py",  # its peers from install_peers.sh; an absent one is skipped, said so
     "p8_image_checks.py",
     "p9_gate_cost.py",
+    "p10_padded_images.py",
     "r1_ray_pool.py",
     "w1_workers.py",
 )

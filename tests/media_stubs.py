@@ -1,20 +1,23 @@
 """Media stubs shared by the tests and the hostile-request benchmarks: small real
-headers that every sniffer reads, and a PNG header declaring a huge image (a bomb)."""
+headers that every sniffer reads, a PNG header declaring a huge image (a bomb), and
+real images padded with empty container entries."""
 
 from __future__ import annotations
 
+import io
 import struct
 import zlib
+
+from PIL import Image
+
+
+def png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
 
 def png_bomb(width: int = 100_000, height: int = 100_000) -> bytes:
     """A real PNG whose header declares width x height; pixel data is a tiny stub."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-        )
-
+    chunk = png_chunk
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return (
         b"\x89PNG\r\n\x1a\n"
@@ -36,3 +39,52 @@ WAV_BYTES = (
     + b"\x00" * 8
 )
 PDF_BYTES = b"%PDF-1.4\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF\n"
+
+
+def _small(fmt: str, **options: object) -> bytes:
+    """A real 32x32 image that does not compress to nothing (a gradient, a red block)."""
+    image = Image.linear_gradient("L").resize((32, 32)).convert("RGB")
+    image.paste((200, 30, 30), (0, 0, 10, 10))
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **options)
+    return buffer.getvalue()
+
+
+def jpeg_with(inserted: bytes) -> bytes:
+    """A real JPEG with ``inserted`` after its first segment (the magic bytes stay whole)."""
+    small = _small("JPEG")
+    after = 4 + int.from_bytes(small[4:6], "big")
+    return small[:after] + inserted + small[after:]
+
+
+def png_with_chunks(count: int) -> bytes:
+    """A real PNG with ``count`` empty ancillary chunks after IHDR, every CRC right."""
+    small = _small("PNG")
+    return small[:33] + png_chunk(b"zzZz", b"") * count + small[33:]
+
+
+def gif_with_sub_blocks(count: int) -> bytes:
+    """A real GIF with a comment extension of ``count`` one-byte sub-blocks before its image."""
+    small = _small("GIF")
+    table = 3 << ((small[10] & 7) + 1) if small[10] & 0x80 else 0
+    image = 13 + table  # the first block after the global colour table
+    return small[:image] + b"\x21\xfe" + b"\x01a" * count + b"\x00" + small[image:]
+
+
+def webp_with_chunks(count: int) -> bytes:
+    """A real WebP with ``count`` empty unknown chunks after its bitstream."""
+    chunks = _small("WEBP")[12:] + (b"ZZZZ" + bytes(4)) * count
+    return b"RIFF" + struct.pack("<I", 4 + len(chunks)) + b"WEBP" + chunks
+
+
+def padded_images(size: int) -> dict[str, tuple[str, bytes]]:
+    """Real images padded to ~``size`` bytes with the emptiest entries each format allows:
+    name -> (format, bytes)."""
+    return {
+        "jpeg comment segments": ("jpeg", jpeg_with(b"\xff\xfe\x00\x02" * (size // 4))),
+        "jpeg fill bytes": ("jpeg", jpeg_with(b"\xff" * size)),
+        "jpeg stray bytes": ("jpeg", jpeg_with(b"\x00" * size)),
+        "png empty chunks": ("png", png_with_chunks(size // 12)),
+        "gif one-byte sub-blocks": ("gif", gif_with_sub_blocks(size // 2)),
+        "webp empty chunks": ("webp", webp_with_chunks(size // 8)),
+    }

@@ -12,6 +12,10 @@ frame past the caller's limit.
 What a walk cannot see (the entropy-coded data of a baseline JPEG cut at a
 byte, a PNG cut at an IDAT chunk boundary) needs a full decode; ``media.decode``
 offers that as policy (``verify_image_data``).
+
+Every walk counts the entries it reads against a budget for the file's size
+(``walk_budget``): a container of empty entries is refused in about the time a
+real image of its size takes.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import zlib
 from dataclasses import dataclass
 
 from modalgate.media.jpeg_structure import JpegStructureError, walk_jpeg
+from modalgate.media.walk_budget import entry_budget, over_budget
 
 
 class ImageIntegrityError(ValueError):
@@ -33,6 +38,12 @@ class Structure:
     frames: int  # frames counted: at most frame_limit + 1
     capped: bool = False  # counting stopped early, so ``frames`` is a lower bound
 
+
+# Bytes per entry the budgets allow: libpng writes 8 KiB IDAT chunks, GIF encoders
+# 255-byte sub-blocks; a WebP holds a few chunks, or a few per frame.
+BYTES_PER_PNG_CHUNK = 1024
+BYTES_PER_GIF_SUB_BLOCK = 128
+BYTES_PER_RIFF_CHUNK = 1024
 
 # Deflate's best case is 258 bytes from 2 bits (1032:1); less data than that cannot
 # hold the declared pixels.
@@ -114,7 +125,11 @@ def _png_walk(data: bytes, frame_limit: int, max_pixels: int | None) -> tuple[Pn
     layout: PngLayout | None = None
     idat_total, idat_run, declared, fctl, palette = 0, 0, None, 0, False
     spans: list[tuple[int, int]] = []
+    budget = entry_budget(size, BYTES_PER_PNG_CHUNK, frame_limit)
     while True:
+        budget -= 1
+        if budget < 0:
+            raise _corrupt("PNG", over_budget("chunks", size))
         if pos + 12 > size:
             raise _truncated("PNG")
         length, kind = struct.unpack_from(">I4s", data, pos)
@@ -205,14 +220,18 @@ def _colour_table(flags: int) -> int:
     return 3 << ((flags & 7) + 1) if flags & 0x80 else 0
 
 
-def _sub_blocks(data: bytes, pos: int) -> int:
-    """The position after a chain of sub-blocks (length byte, bytes; a zero length ends it)."""
+def _sub_blocks(data: bytes, pos: int, left: int) -> tuple[int, int]:
+    """The position after a chain of sub-blocks (length byte, bytes; a zero length ends
+    it), and how many of the walk's ``left`` entries remain (negative: over budget)."""
     size = len(data)
-    while pos < size:
+    while pos < size and left >= 0:
         length = data[pos]
         pos += length + 1
+        left -= 1
         if length == 0:
-            return pos
+            return pos, left
+    if left < 0:
+        return pos, left
     raise _truncated("GIF")
 
 
@@ -220,25 +239,28 @@ def _gif(data: bytes, frame_limit: int, max_pixels: int | None) -> Structure:
     size, frames = len(data), 0
     if size < 13:
         raise _truncated("GIF")
+    left = entry_budget(size, BYTES_PER_GIF_SUB_BLOCK, frame_limit)
     pos = 13 + _colour_table(data[10])
     while True:
+        if left < 0:
+            raise _corrupt("GIF", over_budget("blocks", size))
         if pos >= size:
             raise _truncated("GIF", ": no trailer")
         block = data[pos]
         if block == 0x3B:
             break
         if block == 0x21:  # extension: label, then sub-blocks
-            pos = _sub_blocks(data, pos + 2)
+            pos, left = _sub_blocks(data, pos + 2, left - 1)
         elif block == 0x2C:  # image: descriptor, local colour table, LZW code size, data
             frames += 1
             if frames > frame_limit:
                 return Structure(frames, capped=True)
             if pos + 10 > size:
                 raise _truncated("GIF")
-            pos = _sub_blocks(data, pos + 11 + _colour_table(data[pos + 9]))
+            pos, left = _sub_blocks(data, pos + 11 + _colour_table(data[pos + 9]), left - 1)
         else:  # a stray byte between blocks: Pillow (the decoder behind us) skips it too
             found = _GIF_BLOCK.search(data, pos)
-            pos = found.start() if found else size
+            pos, left = (found.start() if found else size), left - 1
     if frames == 0:
         raise _corrupt("GIF", "no image")
     return Structure(frames)
@@ -247,10 +269,13 @@ def _gif(data: bytes, frame_limit: int, max_pixels: int | None) -> Structure:
 # ---------------------------------------------------------------- WebP
 
 
-def _riff_chunks(data: bytes, pos: int, end: int) -> list[tuple[bytes, int, int]]:
-    """(fourcc, start, end) of the chunks in data[pos:end]; odd sizes carry a pad byte."""
+def _riff_chunks(data: bytes, pos: int, end: int, left: int) -> list[tuple[bytes, int, int]]:
+    """(fourcc, start, end) of the chunks in data[pos:end], at most ``left`` of them; odd
+    sizes carry a pad byte."""
     chunks = []
     while pos + 8 <= end:
+        if len(chunks) == left:
+            raise _corrupt("WebP", over_budget("chunks", len(data)))
         kind, length = struct.unpack_from("<4sI", data, pos)
         if pos + 8 + length > end:
             raise _truncated("WebP")
@@ -281,13 +306,17 @@ def _webp(data: bytes, frame_limit: int, max_pixels: int | None) -> Structure:
     riff_end = 8 + int.from_bytes(data[4:8], "little")
     if len(data) < 20 or riff_end > len(data):
         raise _truncated("WebP")
-    chunks, frames = _riff_chunks(data, 12, riff_end), 0
+    left = entry_budget(len(data), BYTES_PER_RIFF_CHUNK, frame_limit)
+    chunks, frames = _riff_chunks(data, 12, riff_end, left), 0
+    left -= len(chunks)
     for kind, start, end in chunks:
         if kind == b"ANMF":
             frames += 1
             if frames > frame_limit:
                 return Structure(frames, capped=True)
-            if end - start < 16 or not _webp_image(data, _riff_chunks(data, start + 16, end)):
+            inner = _riff_chunks(data, start + 16, end, left) if end - start >= 16 else []
+            left -= len(inner)
+            if not _webp_image(data, inner):
                 raise _corrupt("WebP", "an animation frame without image data")
     if not _webp_image(data, chunks) and frames == 0:
         raise _corrupt("WebP", "no image data")

@@ -8,6 +8,9 @@ image size), progressive scans (every coefficient of every component must be sen
 down to its last bit), and a floor on the data (a Huffman-coded block takes 2 bits
 at least). A baseline JPEG without restart markers has none of these: only a full
 decode (``verify_image_data``) finds it cut.
+
+Segments and scans are counted (``walk_budget``): a file of empty segments, or of
+thousands of tiny progressive scans, is refused before Pillow reads it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import re
 import struct
 from dataclasses import dataclass
+
+from modalgate.media.walk_budget import MAX_JPEG_SCANS, entry_budget, over_budget
 
 
 class JpegStructureError(ValueError):
@@ -38,7 +43,12 @@ _PROGRESSIVE = frozenset({0xC2, 0xC6, 0xCA, 0xCE})
 # In entropy-coded data 0xFF is followed by 0x00 (stuffing), RSTn or another 0xFF
 # (fill); anything else is the marker that ends the scan.
 _SCAN_END = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
-_RST = re.compile(rb"\xff[\xd0-\xd7]")
+_RST_MARKERS = tuple(bytes((0xFF, n)) for n in range(0xD0, 0xD8))
+_NOT_FILL = re.compile(rb"[^\xff]")
+# Real JPEGs have tens of segments (ICC profiles and XMP split in 64 KiB pieces, a DHT
+# per progressive scan); a budget of a thousand and one per 4 KiB is far above them.
+BASE_SEGMENTS = 1024
+BYTES_PER_SEGMENT = 4096
 
 
 def _ceil(a: int, b: int) -> int:
@@ -71,15 +81,27 @@ def walk_jpeg(data: bytes, max_pixels: int | None = None) -> None:
     """
     size, pos = len(data), 2
     frame: _Frame | None = None
-    restart = 0
+    restart = scans = segments = 0
+    budget = entry_budget(size, BYTES_PER_SEGMENT, base=BASE_SEGMENTS)
     scanned: set[int] = set()
     coverage: dict[int, list[int | None]] = {}  # progressive: lowest bit received, per coefficient
     while True:
-        pos = data.find(b"\xff", pos)  # stray bytes between segments: skipped, as libjpeg does
-        while 0 <= pos < size and data[pos] == 0xFF:
-            pos += 1
-        if pos < 0 or pos >= size:
+        # Stray bytes and fill (0xFF) before a marker are skipped, as libjpeg does; Pillow's
+        # header reader skips them one at a time, so each counts as a segment.
+        found = data.find(b"\xff", pos)
+        if found < 0:
             raise _truncated()
+        marker_at = found + 1
+        if marker_at < size and data[marker_at] == 0xFF:  # fill, searched no further than allowed
+            allowed = marker_at + budget - segments + 1
+            run_end = _NOT_FILL.search(data, marker_at, allowed)
+            marker_at = run_end.start() if run_end else allowed
+        if marker_at >= size:
+            raise _truncated()
+        segments += marker_at - pos
+        if segments > budget:
+            raise _corrupt(over_budget("segments and stray bytes", size))
+        pos = marker_at
         marker = data[pos]
         pos += 1
         if marker == 0xD9:
@@ -104,6 +126,9 @@ def walk_jpeg(data: bytes, max_pixels: int | None = None) -> None:
         elif marker == 0xDA:
             if frame is None:
                 raise _corrupt("a scan before the frame header")
+            scans += 1
+            if scans > MAX_JPEG_SCANS:
+                raise _corrupt(f"more than {MAX_JPEG_SCANS} scans")
             ids = set(data[pos + 3 : end - 3 : 2])
             if not (scanned or coverage) and ids == frame.components.keys():
                 # A sequential scan of every component: only its data and restart markers
@@ -168,7 +193,9 @@ def _jpeg_scan(
     if not frame.height:  # the height comes later, in a DNL segment: nothing to count
         return
     mcus, blocks = frame.scan_units(ids)
-    if restart and len(_RST.findall(data, end, scan_end)) < _ceil(mcus, restart) - 1:
+    # Counted in place: a list of every marker found would be ~40 bytes of memory per 2 sent.
+    markers = sum(data.count(rst, end, scan_end) for rst in _RST_MARKERS) if restart else 0
+    if restart and markers < _ceil(mcus, restart) - 1:
         raise _truncated(": restart markers are missing")
     # Huffman codes are 1 bit at least: sequential blocks need a DC code and an EOB,
     # progressive DC scans one bit a block.

@@ -31,6 +31,7 @@ from gateway_proc import GatewayProcess, raw_http
 from toy_upstream import ToyUpstream
 
 PNG = image_bytes("PNG", (40, 30))
+URL = "messages.[0].content.[0].image_url.url"
 VIDEO = {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}
 PDF_PART = {"type": "input_file", "file_data": b64(b"%PDF-1.4 x"), "filename": "a.pdf"}
 INLINE_VIDEO = {"type": "video_url", "video_url": {"url": data_url(MP4_BYTES, "video/mp4")}}
@@ -189,6 +190,22 @@ def test_fetched_bytes_per_request_are_capped(gateway, upstream, media):
 def test_video_counts_have_a_finite_default(gateway, upstream):
     response = post(gateway, "/v1/chat/completions", chat(*[VIDEO] * 5, model="movies"))
     refused(response, 400, "too_many_media", "messages.[0].content.[4]")
+    assert upstream.received == []
+
+
+def test_an_image_of_empty_segments_is_refused_before_it_is_read(gateway, upstream):
+    """4 MB of 4-byte JPEG comment segments: each cost a Python step of the walk and of
+    Pillow's header reader (0.7 s of a validation thread per MB), now counted against a
+    budget."""
+    jpeg = image_bytes("JPEG", (40, 30))
+    after_app0 = 4 + int.from_bytes(jpeg[4:6], "big")
+    hostile = jpeg[:after_app0] + b"\xff\xfe\x00\x02" * 1_000_000 + jpeg[after_app0:]
+    body = chat(image_part(data_url(hostile, "image/jpeg")), model="stills")
+    error = refused(post(gateway, "/v1/chat/completions", body), 400, "invalid_image", URL)
+    assert error["message"].endswith(
+        f"the JPEG data is corrupt (more segments and stray bytes than any encoder writes"
+        f" in {len(hostile)} bytes)"
+    )
     assert upstream.received == []
 
 
