@@ -44,6 +44,8 @@ class Structure:
 BYTES_PER_PNG_CHUNK = 1024
 BYTES_PER_GIF_SUB_BLOCK = 128
 BYTES_PER_RIFF_CHUNK = 1024
+# A TIFF directory holds tens of tags; the format allows 65,535 (~70 ms to read).
+MAX_TIFF_DIRECTORY_ENTRIES = 1024
 
 # Deflate's best case is 258 bytes from 2 bits (1032:1); less data than that cannot
 # hold the declared pixels.
@@ -347,6 +349,8 @@ def _tiff(data: bytes, frame_limit: int, max_pixels: int | None) -> Structure:
             raise _corrupt("TIFF", "a bad directory offset")
         seen.add(offset)
         count = struct.unpack_from(order + "H", data, offset)[0] if offset + 2 <= size else 0
+        if count > MAX_TIFF_DIRECTORY_ENTRIES:  # each a step here and in Pillow's reader
+            raise _corrupt("TIFF", f"a directory of {count} entries")
         after = offset + 2 + 12 * count
         if offset + 2 > size or after + 4 > size:
             raise _truncated("TIFF")

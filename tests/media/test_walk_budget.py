@@ -146,3 +146,16 @@ def test_the_budget_grows_with_size_and_frames_up_to_a_bound():
     assert check_structure(png_with_chunks(empty - 1), "png").frames == 1
     with pytest.raises(ImageIntegrityError, match="more chunks than any encoder writes"):
         check_structure(png_with_chunks(empty), "png")
+
+
+def test_a_tiff_directory_of_thousands_of_tags_is_refused():
+    tiff = encode("TIFF", (32, 32))
+    junk = struct.pack("<HHII", 999, 3, 1, 0)  # an unknown SHORT tag, value inline
+    for count, refused in ((1024, False), (1025, True)):
+        directory = struct.pack("<H", count) + junk * count + bytes(4)
+        data = b"II*\x00" + struct.pack("<I", len(tiff)) + tiff[8:] + directory
+        if refused:
+            with pytest.raises(ImageIntegrityError, match=r"TIFF data is corrupt \(a directory"):
+                check_structure(data, "tiff")
+        else:
+            assert check_structure(data, "tiff").frames == 1
