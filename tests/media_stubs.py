@@ -57,10 +57,12 @@ def jpeg_with(inserted: bytes) -> bytes:
     return small[:after] + inserted + small[after:]
 
 
-def png_with_chunks(count: int) -> bytes:
-    """A real PNG with ``count`` empty ancillary chunks after IHDR, every CRC right."""
+def png_with_chunks(count: int, before_image: bool = False) -> bytes:
+    """A real PNG with ``count`` empty ancillary chunks (every CRC right) after its image
+    data, or before it (after IHDR), where Pillow's header reader walks them too."""
     small = _small("PNG")
-    return small[:33] + png_chunk(b"zzZz", b"") * count + small[33:]
+    at = 33 if before_image else len(small) - 12  # after IHDR, or before IEND
+    return small[:at] + png_chunk(b"zzZz", b"") * count + small[at:]
 
 
 def gif_with_sub_blocks(count: int) -> bytes:

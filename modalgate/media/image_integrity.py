@@ -44,6 +44,9 @@ class Structure:
 BYTES_PER_PNG_CHUNK = 1024
 BYTES_PER_GIF_SUB_BLOCK = 128
 BYTES_PER_RIFF_CHUNK = 1024
+# Pillow reads every chunk before the first IDAT in Python (~3 us each, an exception for
+# each unknown one); encoders write a few (iCCP, pHYs, text): past this, none would.
+PNG_CHUNKS_BEFORE_IMAGE = 64
 # A TIFF directory holds tens of tags; the format allows 65,535 (~70 ms to read).
 MAX_TIFF_DIRECTORY_ENTRIES = 1024
 
@@ -128,6 +131,7 @@ def _png_walk(data: bytes, frame_limit: int, max_pixels: int | None) -> tuple[Pn
     idat_total, idat_run, declared, fctl, palette = 0, 0, None, 0, False
     spans: list[tuple[int, int]] = []
     budget = entry_budget(size, BYTES_PER_PNG_CHUNK, frame_limit)
+    before_image = budget - PNG_CHUNKS_BEFORE_IMAGE  # the budget left after that many
     while True:
         budget -= 1
         if budget < 0:
@@ -149,6 +153,8 @@ def _png_walk(data: bytes, frame_limit: int, max_pixels: int | None) -> tuple[Pn
             layout, width, height = _png_header(data, body)
         elif kind == b"IHDR":
             raise _corrupt("PNG", "a second IHDR chunk")
+        elif idat_total == 0 and budget < before_image and kind != b"IDAT":
+            raise _corrupt("PNG", f"over {PNG_CHUNKS_BEFORE_IMAGE} chunks before the image data")
         if kind == b"IDAT":
             if idat_run == 2:
                 raise _corrupt("PNG", "IDAT chunks are not contiguous")

@@ -46,8 +46,7 @@ _SCAN_END = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
 _RST_MARKERS = tuple(bytes((0xFF, n)) for n in range(0xD0, 0xD8))
 _NOT_FILL = re.compile(rb"[^\xff]")
 # Real JPEGs have tens of segments (ICC profiles and XMP split in 64 KiB pieces, a DHT
-# per progressive scan); a budget of a thousand and one per 4 KiB is far above them.
-BASE_SEGMENTS = 1024
+# per progressive scan): the floor and one per 4 KiB is far above them.
 BYTES_PER_SEGMENT = 4096
 
 
@@ -82,7 +81,7 @@ def walk_jpeg(data: bytes, max_pixels: int | None = None) -> None:
     size, pos = len(data), 2
     frame: _Frame | None = None
     restart = scans = segments = 0
-    budget = entry_budget(size, BYTES_PER_SEGMENT, base=BASE_SEGMENTS)
+    budget = entry_budget(size, BYTES_PER_SEGMENT)
     scanned: set[int] = set()
     coverage: dict[int, list[int | None]] = {}  # progressive: lowest bit received, per coefficient
     while True:

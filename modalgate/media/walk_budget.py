@@ -8,16 +8,18 @@ probe, 1 MB of empty PNG chunks 0.4 s, so one 64 MiB body held a validation
 thread for most of a minute. Encoders write few, large entries (libpng's IDAT
 chunks are 8 KiB, GIF encoders write 255-byte sub-blocks, a JPEG has tens of
 segments), so a floor plus one entry per ``bytes_per_entry`` bytes is far above
-any real file and keeps the walk near the cost of a real image.
+any real file and keeps the walk near the cost of a real image. The floor is
+per image and a request may carry hundreds, so it stays small: at the floor,
+an image costs a few times the fixed cost of reading a real image's header.
 """
 
 from __future__ import annotations
 
 # Entries any file may hold, whatever its size: headers, metadata, a palette...
-BASE_ENTRIES = 4096
+BASE_ENTRIES = 128
 # ...and a few per frame the walk may count (a GIF frame is an extension and a data
 # chain; an APNG frame a control chunk and its data), up to this many frames.
-ENTRIES_PER_FRAME = 4
+ENTRIES_PER_FRAME = 8
 _FRAMES_COUNTED = 1 << 16
 # Progressive JPEG scans: every decode pass runs over the whole coefficient buffer, so
 # thousands of tiny scans make a small file decode for minutes (cure53's libjpeg-turbo
@@ -25,12 +27,10 @@ _FRAMES_COUNTED = 1 << 16
 MAX_JPEG_SCANS = 256
 
 
-def entry_budget(
-    size: int, bytes_per_entry: int, frame_limit: int = 1, base: int = BASE_ENTRIES
-) -> int:
+def entry_budget(size: int, bytes_per_entry: int, frame_limit: int = 1) -> int:
     """The entries a walk of a ``size``-byte container may read."""
     frames = min(max(frame_limit, 1), _FRAMES_COUNTED)
-    return base + ENTRIES_PER_FRAME * frames + size // bytes_per_entry
+    return BASE_ENTRIES + ENTRIES_PER_FRAME * frames + size // bytes_per_entry
 
 
 def over_budget(what: str, size: int) -> str:

@@ -84,6 +84,27 @@ def test_the_same_splice_at_a_real_files_scale_passes(fmt):
     assert validate(few[fmt], fmt).accepted
 
 
+@pytest.mark.parametrize("fmt", ["GIF", "PNG", "WEBP"])
+def test_a_thousand_tiny_frames_pass_where_a_thousand_are_allowed(fmt):
+    """Each frame brings entries of its own (a GIF frame is two block chains and their
+    ends, an APNG frame a control chunk and its data) whatever its size."""
+    frames = [Image.new("RGB", (8, 8), (i % 256, 60 * (i // 256), 0)) for i in range(1000)]
+    buffer = io.BytesIO()
+    options = {"lossless": True} if fmt == "WEBP" else {}
+    frames[0].save(buffer, fmt, save_all=True, append_images=frames[1:], duration=20, **options)
+    data = buffer.getvalue()
+    assert check_structure(data, fmt.lower(), frame_limit=1000).frames == 1000
+
+
+def test_png_chunks_before_the_image_data_are_few():
+    """Pillow reads each chunk before the first IDAT in Python: more than 64 is refused
+    whatever the budget, since no encoder writes that many."""
+    assert validate(png_with_chunks(62, before_image=True), "png").accepted  # + IHDR: 63
+    assert validate(png_with_chunks(63, before_image=True), "png").accepted  # 64: the most
+    message = assert_refused(validate(png_with_chunks(64, before_image=True), "png"))
+    assert message.endswith("the PNG data is corrupt (over 64 chunks before the image data)")
+
+
 def test_jpeg_comments_and_fill_at_a_real_files_scale_pass():
     assert validate(jpeg_with(b"\xff\xfe\x00\x02" * 100), "jpeg").accepted
     assert validate(jpeg_with(b"\xff" * 100), "jpeg").accepted
@@ -119,8 +140,11 @@ def test_progressive_scans_are_counted():
     progressive = encode("JPEG", (160, 120), progressive=True)
     first = progressive.index(b"\xff\xda")
     second = progressive.index(b"\xff\xda", first + 2)
-    scan = progressive[first:second]  # the first scan (DC), header and data
-    data = progressive[:second] + scan * MAX_JPEG_SCANS + progressive[second:]
+    scan = progressive[first:second]  # the first scan (DC) and the next scan's table
+    # 64 KiB comments: a file big enough that its segment budget is not what refuses.
+    comments = (b"\xff\xfe\xff\xff" + bytes(65533)) * 40
+    data = progressive[:first] + comments + progressive[first:second]
+    data += scan * MAX_JPEG_SCANS + progressive[second:]
     message = assert_refused(validate(data, "jpeg"))
     assert message.endswith(f"the JPEG data is corrupt (more than {MAX_JPEG_SCANS} scans)")
     assert validate(progressive, "jpeg").accepted
@@ -136,8 +160,8 @@ def test_restart_markers_are_counted_in_place():
 
 
 def test_the_budget_grows_with_size_and_frames_up_to_a_bound():
-    assert entry_budget(0, 1024) == BASE_ENTRIES + 4
-    assert entry_budget(MB, 1024, 10) == BASE_ENTRIES + 40 + 1024
+    assert entry_budget(0, 1024) == BASE_ENTRIES + 8
+    assert entry_budget(MB, 1024, 10) == BASE_ENTRIES + 80 + 1024
     assert entry_budget(0, 1024, 10**9) == entry_budget(0, 1024, 1 << 16)
     # The edge, exactly: IHDR, IDAT and IEND plus ``empty`` chunks against the budget.
     empty = BASE_ENTRIES
