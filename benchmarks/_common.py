@@ -150,6 +150,16 @@ def print_rounds(result: Rounds, label_a: str, label_b: str, elapsed: float) -> 
     )
 
 
+def best(function: Callable[[], object], reps: int) -> float:
+    """The fastest of ``reps`` calls, in seconds: the one least disturbed by the machine."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 def machine_line() -> str:
     """Interpreter, cores, and the load average: other work on the machine skews every number."""
     cores = os.cpu_count()

@@ -31,12 +31,11 @@ import argparse
 import io
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from _common import data_url, machine_line, result_line, table
+from _common import best, data_url, machine_line, result_line, table
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -74,12 +73,7 @@ def real_image(fmt: str, size: int) -> bytes:
 
 
 def best_ms(function: Callable[[], object], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
+    return best(function, reps) * 1e3
 
 
 def probe(data: bytes, fmt: str) -> str:

@@ -34,7 +34,7 @@ import warnings
 from collections.abc import Callable, Iterator
 
 import numpy as np
-from _common import data_url, machine_line, result_line, table
+from _common import best, data_url, machine_line, result_line, table
 from PIL import Image
 
 from modalgate.media.decode import decode_image, verify_image_data
@@ -190,15 +190,6 @@ def stall(quick: bool) -> float:
 
 
 # ---------------------------------------------------------------- part 2
-
-
-def best(fn: Callable[[], object], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def costs(quick: bool) -> None:
