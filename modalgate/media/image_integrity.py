@@ -14,8 +14,8 @@ byte, a PNG cut at an IDAT chunk boundary) needs a full decode; ``media.decode``
 offers that as policy (``verify_image_data``).
 
 Every walk counts the entries it reads against a budget for the file's size
-(``walk_budget``): a container of empty entries is refused in about the time a
-real image of its size takes.
+(``walk_budget``): a container padded with empty entries is refused within about
+ten times what a real image of its size costs (``benchmarks/p10_padded_images.py``).
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 A walk's cost is per entry (a PNG chunk, a JPEG segment, a GIF sub-block, a RIFF
 chunk), not per byte, and Pillow's header readers walk the same entries again in
-Python. A body of empty entries therefore cost about 10^3 times what a real
+Python. A body of empty entries therefore cost 10^2 to 10^4 times what a real
 image of its size does: 1 MB of 4-byte JPEG comment segments took 0.7 s to
-probe, 1 MB of empty PNG chunks 0.4 s, so one 64 MiB body held a validation
-thread for most of a minute. Encoders write few, large entries (libpng's IDAT
+probe, 1 MB of empty PNG chunks 0.4 s, so one 64 MiB body could hold a
+validation thread for most of a minute. Encoders write few, large entries (libpng's IDAT
 chunks are 8 KiB, GIF encoders write 255-byte sub-blocks, a JPEG has tens of
 segments), so a floor plus one entry per ``bytes_per_entry`` bytes is far above
 any real file and keeps the walk near the cost of a real image. The floor is
@@ -21,9 +21,9 @@ BASE_ENTRIES = 128
 # chain; an APNG frame a control chunk and its data), up to this many frames.
 ENTRIES_PER_FRAME = 8
 _FRAMES_COUNTED = 1 << 16
-# Progressive JPEG scans: every decode pass runs over the whole coefficient buffer, so
-# thousands of tiny scans make a small file decode for minutes (cure53's libjpeg-turbo
-# audit; nvImageCodec refuses past this count by default).
+# Progressive JPEG scans: libjpeg passes over the whole coefficient buffer for each, so
+# decoding grows with scans times pixels (cure53's libjpeg-turbo audit; nvImageCodec
+# refuses past this count by default).
 MAX_JPEG_SCANS = 256
 
 
