@@ -17,13 +17,12 @@ def png_chunk(kind: bytes, data: bytes) -> bytes:
 
 def png_bomb(width: int = 100_000, height: int = 100_000) -> bytes:
     """A real PNG whose header declares width x height; pixel data is a tiny stub."""
-    chunk = png_chunk
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return (
         b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", ihdr)
-        + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
-        + chunk(b"IEND", b"")
+        + png_chunk(b"IHDR", ihdr)
+        + png_chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+        + png_chunk(b"IEND", b"")
     )
 
 

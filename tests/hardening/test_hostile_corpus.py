@@ -28,6 +28,7 @@ from conftest import (
     start_server,
 )
 from gateway_proc import GatewayProcess, raw_http
+from media_stubs import jpeg_with
 from toy_upstream import ToyUpstream
 
 PNG = image_bytes("PNG", (40, 30))
@@ -197,9 +198,7 @@ def test_an_image_of_empty_segments_is_refused_before_it_is_read(gateway, upstre
     """4 MB of 4-byte JPEG comment segments: each cost a Python step of the walk and of
     Pillow's header reader (0.7 s of a validation thread per MB), now counted against a
     budget."""
-    jpeg = image_bytes("JPEG", (40, 30))
-    after_app0 = 4 + int.from_bytes(jpeg[4:6], "big")
-    hostile = jpeg[:after_app0] + b"\xff\xfe\x00\x02" * 1_000_000 + jpeg[after_app0:]
+    hostile = jpeg_with(b"\xff\xfe\x00\x02" * 1_000_000)
     body = chat(image_part(data_url(hostile, "image/jpeg")), model="stills")
     error = refused(post(gateway, "/v1/chat/completions", body), 400, "invalid_image", URL)
     assert error["message"].endswith(
