@@ -11,7 +11,14 @@ import io
 import struct
 
 import pytest
-from PIL import GifImagePlugin, Image, JpegImagePlugin, PngImagePlugin, WebPImagePlugin
+from PIL import (
+    GifImagePlugin,
+    Image,
+    ImageCms,
+    JpegImagePlugin,
+    PngImagePlugin,
+    WebPImagePlugin,
+)
 
 from conftest import body, chat, data_url, image_part, noise_png
 from media_stubs import (
@@ -103,6 +110,43 @@ def test_png_chunks_before_the_image_data_are_few():
     assert validate(png_with_chunks(63, before_image=True), "png").accepted  # 64: the most
     message = assert_refused(validate(png_with_chunks(64, before_image=True), "png"))
     assert message.endswith("the PNG data is corrupt (over 64 chunks before the image data)")
+
+
+def _with_metadata(fmt: str, **options: object) -> bytes:
+    """A photo-like image saved with the metadata encoders write: EXIF, ICC, text."""
+    image = Image.open(io.BytesIO(noise_png(200, 150, seed=5)))
+    exif = Image.Exif()
+    exif[0x010F], exif[0x9286] = "Camera", "x" * 30_000  # make, a long user comment
+    srgb = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    options = {"exif": exif, "icc_profile": srgb, **options}
+    if fmt == "PNG":
+        text = PngImagePlugin.PngInfo()
+        for i in range(20):
+            text.add_text(f"key{i}", "value " * 20)
+        text.add_itxt("XML:com.adobe.xmp", "<x:xmpmeta>" + "a" * 5000 + "</x:xmpmeta>")
+        options.update(pnginfo=text, dpi=(300, 300))
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **options)
+    return buffer.getvalue()
+
+
+METADATA = {
+    # An ICC profile over 64 KiB: Pillow splits it across APP2 segments, as cameras do.
+    "jpeg progressive, EXIF, a 260 KB ICC profile": (
+        "jpeg",
+        lambda: _with_metadata("JPEG", progressive=True, optimize=True, icc_profile=bytes(260_000)),
+    ),
+    "jpeg restart markers, EXIF": ("jpeg", lambda: _with_metadata("JPEG", restart_marker_blocks=1)),
+    "png 21 text chunks, iCCP, pHYs": ("png", lambda: _with_metadata("PNG")),
+    "webp ICC and EXIF": ("webp", lambda: _with_metadata("WEBP")),
+    "gif a 2 KB comment, looping": ("gif", lambda: _with_metadata("GIF", comment=b"c" * 2000)),
+}
+
+
+@pytest.mark.parametrize("name", METADATA)
+def test_images_with_the_metadata_encoders_write_pass(name):
+    fmt, make = METADATA[name]
+    assert validate(make(), fmt).accepted
 
 
 def test_jpeg_comments_and_fill_at_a_real_files_scale_pass():
