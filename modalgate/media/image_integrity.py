@@ -23,10 +23,17 @@ from __future__ import annotations
 import re
 import struct
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 
 from modalgate.media.jpeg_structure import JpegStructureError, walk_jpeg
-from modalgate.media.walk_budget import entry_budget, over_budget
+from modalgate.media.walk_budget import (
+    ENTRIES_PER_FRAME,
+    MAX_TIFF_DIRECTORY_ENTRIES,
+    entry_budget,
+    over_budget,
+)
 
 
 class ImageIntegrityError(ValueError):
@@ -42,13 +49,15 @@ class Structure:
 # Bytes per entry the budgets allow: libpng writes 8 KiB IDAT chunks, GIF encoders
 # 255-byte sub-blocks; a WebP holds a few chunks, or a few per frame.
 BYTES_PER_PNG_CHUNK = 1024
-BYTES_PER_GIF_SUB_BLOCK = 128
+BYTES_PER_GIF_SUB_BLOCK = 64  # XMP kept as GIF "sub-blocks" hops ~60-100 bytes a step
 BYTES_PER_RIFF_CHUNK = 1024
 # Pillow reads every chunk before the first IDAT in Python (~3 us each, an exception for
 # each unknown one); encoders write a few (iCCP, pHYs, text): past this, none would.
 PNG_CHUNKS_BEFORE_IMAGE = 64
-# A TIFF directory holds tens of tags; the format allows 65,535 (~70 ms to read).
-MAX_TIFF_DIRECTORY_ENTRIES = 1024
+# Pillow inflates each of these (up to 1 MiB apiece) when it reads the header or the
+# pixels; encoders write one iCCP and a few text profiles.
+PNG_COMPRESSED_CHUNKS = frozenset({b"zTXt", b"iTXt", b"iCCP"})  # iTXt: where its flag says
+MAX_PNG_COMPRESSED_CHUNKS = 8
 
 # Deflate's best case is 258 bytes from 2 bits (1032:1); less data than that cannot
 # hold the declared pixels.
@@ -130,8 +139,8 @@ def _png_walk(data: bytes, frame_limit: int, max_pixels: int | None) -> tuple[Pn
     layout: PngLayout | None = None
     idat_total, idat_run, declared, fctl, palette = 0, 0, None, 0, False
     spans: list[tuple[int, int]] = []
-    budget = entry_budget(size, BYTES_PER_PNG_CHUNK, frame_limit)
-    before_image = budget - PNG_CHUNKS_BEFORE_IMAGE  # the budget left after that many
+    budget = entry_budget(size, BYTES_PER_PNG_CHUNK)
+    ahead, compressed = PNG_CHUNKS_BEFORE_IMAGE, MAX_PNG_COMPRESSED_CHUNKS
     while True:
         budget -= 1
         if budget < 0:
@@ -153,8 +162,18 @@ def _png_walk(data: bytes, frame_limit: int, max_pixels: int | None) -> tuple[Pn
             layout, width, height = _png_header(data, body)
         elif kind == b"IHDR":
             raise _corrupt("PNG", "a second IHDR chunk")
-        elif idat_total == 0 and budget < before_image and kind != b"IDAT":
-            raise _corrupt("PNG", f"over {PNG_CHUNKS_BEFORE_IMAGE} chunks before the image data")
+        if idat_total == 0 and kind != b"IDAT":
+            ahead -= 1
+            if ahead < 0:
+                raise _corrupt(
+                    "PNG", f"over {PNG_CHUNKS_BEFORE_IMAGE} chunks before the image data"
+                )
+        if kind in PNG_COMPRESSED_CHUNKS and (kind != b"iTXt" or _itxt_compressed(data, body, end)):
+            compressed -= 1
+            if compressed < 0:
+                raise _corrupt(
+                    "PNG", f"over {MAX_PNG_COMPRESSED_CHUNKS} compressed text or profile chunks"
+                )
         if kind == b"IDAT":
             if idat_run == 2:
                 raise _corrupt("PNG", "IDAT chunks are not contiguous")
@@ -172,7 +191,7 @@ def _png_walk(data: bytes, frame_limit: int, max_pixels: int | None) -> tuple[Pn
         elif kind == b"acTL" and length == 8 and idat_run == 0:
             declared = int.from_bytes(data[body : body + 4], "big")
         elif kind == b"fcTL" and length == 26 and declared is not None:
-            fctl += 1
+            fctl, budget = fctl + 1, budget + ENTRIES_PER_FRAME
             if fctl > frame_limit:
                 return layout, Structure(fctl, capped=True)
             spans = []
@@ -197,6 +216,12 @@ def _png_walk(data: bytes, frame_limit: int, max_pixels: int | None) -> tuple[Pn
             "PNG", f": {idat_total} bytes of pixel data cannot hold a {width}x{height} image"
         )
     return layout, Structure(max(1, fctl))
+
+
+def _itxt_compressed(data: bytes, body: int, end: int) -> bool:
+    """Whether an iTXt chunk's text is compressed: the flag after its keyword (1-79 bytes)."""
+    nul = data.find(b"\x00", body, min(body + 80, end))
+    return nul >= 0 and nul + 1 < end and data[nul + 1] != 0
 
 
 def _png_header(data: bytes, body: int) -> tuple[PngLayout, int, int]:
@@ -247,7 +272,7 @@ def _gif(data: bytes, frame_limit: int, max_pixels: int | None) -> Structure:
     size, frames = len(data), 0
     if size < 13:
         raise _truncated("GIF")
-    left = entry_budget(size, BYTES_PER_GIF_SUB_BLOCK, frame_limit)
+    left = entry_budget(size, BYTES_PER_GIF_SUB_BLOCK)
     pos = 13 + _colour_table(data[10])
     while True:
         if left < 0:
@@ -260,15 +285,16 @@ def _gif(data: bytes, frame_limit: int, max_pixels: int | None) -> Structure:
         if block == 0x21:  # extension: label, then sub-blocks
             pos, left = _sub_blocks(data, pos + 2, left - 1)
         elif block == 0x2C:  # image: descriptor, local colour table, LZW code size, data
-            frames += 1
+            frames, left = frames + 1, left + ENTRIES_PER_FRAME
             if frames > frame_limit:
                 return Structure(frames, capped=True)
             if pos + 10 > size:
                 raise _truncated("GIF")
             pos, left = _sub_blocks(data, pos + 11 + _colour_table(data[pos + 9]), left - 1)
-        else:  # a stray byte between blocks: Pillow (the decoder behind us) skips it too
-            found = _GIF_BLOCK.search(data, pos)
-            pos, left = (found.start() if found else size), left - 1
+        else:  # stray bytes between blocks: Pillow skips them too, one at a time
+            found = _GIF_BLOCK.search(data, pos, pos + left + 1)
+            skipped_to = found.start() if found else min(size, pos + left + 1)
+            pos, left = skipped_to, left - (skipped_to - pos)
     if frames == 0:
         raise _corrupt("GIF", "no image")
     return Structure(frames)
@@ -277,21 +303,17 @@ def _gif(data: bytes, frame_limit: int, max_pixels: int | None) -> Structure:
 # ---------------------------------------------------------------- WebP
 
 
-def _riff_chunks(data: bytes, pos: int, end: int, left: int) -> list[tuple[bytes, int, int]]:
-    """(fourcc, start, end) of the chunks in data[pos:end], at most ``left`` of them; odd
-    sizes carry a pad byte."""
-    chunks = []
+def _riff_chunks(data: bytes, pos: int, end: int) -> Iterator[tuple[bytes, int, int]]:
+    """(fourcc, start, end) of the chunks in data[pos:end], one at a time; odd sizes
+    carry a pad byte."""
     while pos + 8 <= end:
-        if len(chunks) == left:
-            raise _corrupt("WebP", over_budget("chunks", len(data)))
         kind, length = struct.unpack_from("<4sI", data, pos)
         if pos + 8 + length > end:
             raise _truncated("WebP")
-        chunks.append((kind, pos + 8, pos + 8 + length))
+        yield kind, pos + 8, pos + 8 + length
         pos += 8 + length + (length & 1)
     if pos < end:
         raise _truncated("WebP")
-    return chunks
 
 
 def _webp_image(data: bytes, chunks: list[tuple[bytes, int, int]]) -> bool:
@@ -314,18 +336,23 @@ def _webp(data: bytes, frame_limit: int, max_pixels: int | None) -> Structure:
     riff_end = 8 + int.from_bytes(data[4:8], "little")
     if len(data) < 20 or riff_end > len(data):
         raise _truncated("WebP")
-    left = entry_budget(len(data), BYTES_PER_RIFF_CHUNK, frame_limit)
-    chunks, frames = _riff_chunks(data, 12, riff_end, left), 0
-    left -= len(chunks)
-    for kind, start, end in chunks:
-        if kind == b"ANMF":
-            frames += 1
+    left = entry_budget(len(data), BYTES_PER_RIFF_CHUNK)
+    chunks: list[tuple[bytes, int, int]] = []
+    frames = 0
+    for chunk in _riff_chunks(data, 12, riff_end):
+        kind, start, end = chunk
+        chunks.append(chunk)
+        left -= 1
+        if kind == b"ANMF":  # counted as it comes: the walk stops one frame past the limit
+            frames, left = frames + 1, left + ENTRIES_PER_FRAME
             if frames > frame_limit:
                 return Structure(frames, capped=True)
-            inner = _riff_chunks(data, start + 16, end, left) if end - start >= 16 else []
+            inner = list(islice(_riff_chunks(data, start + 16, end), max(left, 0) + 1))
             left -= len(inner)
-            if not _webp_image(data, inner):
+            if left >= 0 and (end - start < 16 or not _webp_image(data, inner)):
                 raise _corrupt("WebP", "an animation frame without image data")
+        if left < 0:
+            raise _corrupt("WebP", over_budget("chunks", len(data)))
     if not _webp_image(data, chunks) and frames == 0:
         raise _corrupt("WebP", "no image data")
     return Structure(max(frames, 1))

@@ -19,7 +19,12 @@ import re
 import struct
 from dataclasses import dataclass
 
-from modalgate.media.walk_budget import MAX_JPEG_SCANS, entry_budget, over_budget
+from modalgate.media.walk_budget import (
+    MAX_JPEG_SCANS,
+    MAX_TIFF_DIRECTORY_ENTRIES,
+    entry_budget,
+    over_budget,
+)
 
 
 class JpegStructureError(ValueError):
@@ -43,11 +48,21 @@ _PROGRESSIVE = frozenset({0xC2, 0xC6, 0xCA, 0xCE})
 # In entropy-coded data 0xFF is followed by 0x00 (stuffing), RSTn or another 0xFF
 # (fill); anything else is the marker that ends the scan.
 _SCAN_END = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
-_RST_MARKERS = tuple(bytes((0xFF, n)) for n in range(0xD0, 0xD8))
+_RST = re.compile(rb"\xff[\xd0-\xd7]")
+_RST_WINDOW = 64 * 1024  # markers listed a window at a time: memory stays flat
 _NOT_FILL = re.compile(rb"[^\xff]")
 # Real JPEGs have tens of segments (ICC profiles and XMP split in 64 KiB pieces, a DHT
 # per progressive scan): the floor and one per 4 KiB is far above them.
 BYTES_PER_SEGMENT = 4096
+# Stray and fill bytes before a marker: libjpeg skips them with a warning, Pillow's
+# header reader one at a time in Python. Some encoders leave a few hundred.
+STRAY_BYTES = 1024
+BYTES_PER_STRAY_BYTE = 1024
+# What Pillow's header reader loops over inside one segment, in Python: Exif segments
+# (concatenated, so quadratic), the tables of a DQT, Photoshop's resources (APP13).
+MAX_EXIF_SEGMENTS = 4  # a file has one; the standard allows no continuation
+MAX_DQT_BYTES = 2 + 4 * 129  # the four tables a baseline or progressive file can use
+MAX_PHOTOSHOP_RESOURCES = 1024
 
 
 def _ceil(a: int, b: int) -> int:
@@ -80,26 +95,29 @@ def walk_jpeg(data: bytes, max_pixels: int | None = None) -> None:
     """
     size, pos = len(data), 2
     frame: _Frame | None = None
-    restart = scans = segments = 0
-    budget = entry_budget(size, BYTES_PER_SEGMENT)
+    restart = scans = 0
+    segments = entry_budget(size, BYTES_PER_SEGMENT)  # each left to read
+    stray = STRAY_BYTES + size // BYTES_PER_STRAY_BYTE
+    exif, photoshop = MAX_EXIF_SEGMENTS, MAX_PHOTOSHOP_RESOURCES
     scanned: set[int] = set()
     coverage: dict[int, list[int | None]] = {}  # progressive: lowest bit received, per coefficient
     while True:
-        # Stray bytes and fill (0xFF) before a marker are skipped, as libjpeg does; Pillow's
-        # header reader skips them one at a time, so each counts as a segment.
+        # Stray bytes and fill (0xFF) before a marker are skipped, as libjpeg does.
         found = data.find(b"\xff", pos)
         if found < 0:
             raise _truncated()
         marker_at = found + 1
         if marker_at < size and data[marker_at] == 0xFF:  # fill, searched no further than allowed
-            allowed = marker_at + budget - segments + 1
+            allowed = marker_at + stray - (found - pos) + 1
             run_end = _NOT_FILL.search(data, marker_at, allowed)
             marker_at = run_end.start() if run_end else allowed
         if marker_at >= size:
             raise _truncated()
-        segments += marker_at - pos
-        if segments > budget:
-            raise _corrupt(over_budget("segments and stray bytes", size))
+        stray -= marker_at - pos - 1
+        segments -= 1
+        if segments < 0 or stray < 0:
+            what = "segments" if segments < 0 else "stray bytes between segments"
+            raise _corrupt(over_budget(what, size))
         pos = marker_at
         marker = data[pos]
         pos += 1
@@ -114,6 +132,17 @@ def walk_jpeg(data: bytes, max_pixels: int | None = None) -> None:
             raise _truncated() if pos + 2 > size else _corrupt("a bad segment length")
         if end > size:
             raise _truncated()
+        if marker == 0xE1 and data.startswith(b"Exif\x00\x00", pos + 2):
+            exif -= 1
+            if exif < 0:
+                raise _corrupt(f"more than {MAX_EXIF_SEGMENTS} Exif segments")
+            _check_exif_directory(data, pos + 8, end)
+        elif marker == 0xED:
+            photoshop -= data.count(b"8BIM", pos + 2, end)
+            if photoshop < 0:
+                raise _corrupt(f"more than {MAX_PHOTOSHOP_RESOURCES} Photoshop resources")
+        elif marker == 0xDB and end - pos > MAX_DQT_BYTES:
+            raise _corrupt("a quantisation segment holds more tables than a JPEG uses")
         if marker in _SOF:
             if frame is not None:
                 raise _corrupt("more than one frame header")
@@ -148,6 +177,31 @@ def walk_jpeg(data: bytes, max_pixels: int | None = None) -> None:
     whole = all(bit == 0 for bits in coverage.values() for bit in bits)
     if frame.height and not (scanned >= frame.components.keys() and whole):
         raise _truncated(": its scans stop before every component is complete")
+
+
+def _restart_markers(data: bytes, start: int, end: int, needed: int) -> bool:
+    """Whether data[start:end] holds ``needed`` restart markers. Listed a window at a
+    time, and no further than needed: a list of them all would hold ~40 bytes of memory
+    per 2 sent. Windows overlap by a byte, so a marker across their edge counts once."""
+    found = 0
+    for at in range(start, end, _RST_WINDOW):
+        found += len(_RST.findall(data, at, min(at + _RST_WINDOW + 1, end)))
+        if found >= needed:
+            return True
+    return found >= needed
+
+
+def _check_exif_directory(data: bytes, tiff: int, end: int) -> None:
+    """An Exif segment's first directory is read tag by tag by Pillow's header reader:
+    as in a TIFF, one of more than ``MAX_TIFF_DIRECTORY_ENTRIES`` is refused."""
+    order = {b"II": "<", b"MM": ">"}.get(data[tiff : tiff + 2])
+    if order is None or tiff + 8 > end:
+        return  # not one Pillow reads as TIFF: nothing it loops over
+    directory = tiff + struct.unpack_from(order + "I", data, tiff + 4)[0]
+    if directory + 2 <= end:
+        count = struct.unpack_from(order + "H", data, directory)[0]
+        if count > MAX_TIFF_DIRECTORY_ENTRIES:
+            raise _corrupt(f"an Exif directory of {count} entries")
 
 
 def _jpeg_frame(data: bytes, marker: int, start: int, end: int) -> _Frame:
@@ -192,9 +246,7 @@ def _jpeg_scan(
     if not frame.height:  # the height comes later, in a DNL segment: nothing to count
         return
     mcus, blocks = frame.scan_units(ids)
-    # Counted in place: a list of every marker found would be ~40 bytes of memory per 2 sent.
-    markers = sum(data.count(rst, end, scan_end) for rst in _RST_MARKERS) if restart else 0
-    if restart and markers < _ceil(mcus, restart) - 1:
+    if restart and not _restart_markers(data, end, scan_end, _ceil(mcus, restart) - 1):
         raise _truncated(": restart markers are missing")
     # Huffman codes are 1 bit at least: sequential blocks need a DC code and an EOB,
     # progressive DC scans one bit a block.

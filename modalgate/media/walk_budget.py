@@ -17,20 +17,22 @@ from __future__ import annotations
 
 # Entries any file may hold, whatever its size: headers, metadata, a palette...
 BASE_ENTRIES = 128
-# ...and a few per frame the walk may count (a GIF frame is an extension and a data
-# chain; an APNG frame a control chunk and its data), up to this many frames.
+# ...and a few more for each frame a walk counts (a GIF frame is an extension and a data
+# chain; an APNG frame a control chunk and its data): the walk stops one frame past
+# the caller's limit, so a still is judged alike under every policy.
 ENTRIES_PER_FRAME = 8
-_FRAMES_COUNTED = 1 << 16
 # Progressive JPEG scans: libjpeg passes over the whole coefficient buffer for each, so
 # decoding grows with scans times pixels (cure53's libjpeg-turbo audit; nvImageCodec
 # refuses past this count by default).
 MAX_JPEG_SCANS = 256
+# A TIFF directory (a TIFF file's, or an Exif segment's) holds tens of tags; the format
+# allows 65,535, each a step of Pillow's reader (~70 ms for them all).
+MAX_TIFF_DIRECTORY_ENTRIES = 1024
 
 
-def entry_budget(size: int, bytes_per_entry: int, frame_limit: int = 1) -> int:
-    """The entries a walk of a ``size``-byte container may read."""
-    frames = min(max(frame_limit, 1), _FRAMES_COUNTED)
-    return BASE_ENTRIES + ENTRIES_PER_FRAME * frames + size // bytes_per_entry
+def entry_budget(size: int, bytes_per_entry: int) -> int:
+    """The entries a walk of a ``size``-byte container may read, before its frames."""
+    return BASE_ENTRIES + size // bytes_per_entry
 
 
 def over_budget(what: str, size: int) -> str:
