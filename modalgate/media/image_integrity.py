@@ -219,9 +219,11 @@ def _png_walk(data: bytes, frame_limit: int, max_pixels: int | None) -> tuple[Pn
 
 
 def _itxt_compressed(data: bytes, body: int, end: int) -> bool:
-    """Whether an iTXt chunk's text is compressed: the flag after its keyword (1-79 bytes)."""
-    nul = data.find(b"\x00", body, min(body + 80, end))
-    return nul >= 0 and nul + 1 < end and data[nul + 1] != 0
+    """Whether an iTXt chunk's text is compressed: the flag after its keyword, found as
+    Pillow finds it (the first zero byte, however long the keyword). ``end``: the chunk's
+    end, its CRC included."""
+    nul = data.find(b"\x00", body, end - 4)
+    return nul >= 0 and nul + 1 < end - 4 and data[nul + 1] != 0
 
 
 def _png_header(data: bytes, body: int) -> tuple[PngLayout, int, int]:

@@ -99,6 +99,7 @@ def walk_jpeg(data: bytes, max_pixels: int | None = None) -> None:
     segments = entry_budget(size, BYTES_PER_SEGMENT)  # each left to read
     stray = STRAY_BYTES + size // BYTES_PER_STRAY_BYTE
     exif, photoshop = MAX_EXIF_SEGMENTS, MAX_PHOTOSHOP_RESOURCES
+    exif_spans: list[tuple[int, int]] = []  # Pillow joins them, then reads one TIFF
     scanned: set[int] = set()
     coverage: dict[int, list[int | None]] = {}  # progressive: lowest bit received, per coefficient
     while True:
@@ -136,7 +137,7 @@ def walk_jpeg(data: bytes, max_pixels: int | None = None) -> None:
             exif -= 1
             if exif < 0:
                 raise _corrupt(f"more than {MAX_EXIF_SEGMENTS} Exif segments")
-            _check_exif_directory(data, pos + 8, end)
+            exif_spans.append((pos + 8, end))
         elif marker == 0xED:
             photoshop -= data.count(b"8BIM", pos + 2, end)
             if photoshop < 0:
@@ -172,6 +173,8 @@ def walk_jpeg(data: bytes, max_pixels: int | None = None) -> None:
             pos = scan_end
             continue
         pos = end
+    if exif_spans:
+        _check_exif_directory(b"".join(data[start:stop] for start, stop in exif_spans))
     if frame is None or not scanned:
         raise _corrupt("no image data")
     whole = all(bit == 0 for bits in coverage.values() for bit in bits)
@@ -191,15 +194,15 @@ def _restart_markers(data: bytes, start: int, end: int, needed: int) -> bool:
     return found >= needed
 
 
-def _check_exif_directory(data: bytes, tiff: int, end: int) -> None:
-    """An Exif segment's first directory is read tag by tag by Pillow's header reader:
-    as in a TIFF, one of more than ``MAX_TIFF_DIRECTORY_ENTRIES`` is refused."""
-    order = {b"II": "<", b"MM": ">"}.get(data[tiff : tiff + 2])
-    if order is None or tiff + 8 > end:
+def _check_exif_directory(tiff: bytes) -> None:
+    """The Exif segments joined, as Pillow joins them: its first directory is read tag
+    by tag, and, as in a TIFF, one of more than ``MAX_TIFF_DIRECTORY_ENTRIES`` is refused."""
+    order = {b"II": "<", b"MM": ">"}.get(tiff[:2])
+    if order is None or len(tiff) < 8:
         return  # not one Pillow reads as TIFF: nothing it loops over
-    directory = tiff + struct.unpack_from(order + "I", data, tiff + 4)[0]
-    if directory + 2 <= end:
-        count = struct.unpack_from(order + "H", data, directory)[0]
+    directory = struct.unpack_from(order + "I", tiff, 4)[0]
+    if directory + 2 <= len(tiff):
+        count = struct.unpack_from(order + "H", tiff, directory)[0]
         if count > MAX_TIFF_DIRECTORY_ENTRIES:
             raise _corrupt(f"an Exif directory of {count} entries")
 

@@ -248,6 +248,12 @@ def exif(tags: int) -> bytes:
 SEGMENT_LOOPS = {
     "exif segments": (segment(0xE1, exif(1)) * 5, "more than 4 Exif segments"),
     "an exif directory": (segment(0xE1, exif(1025)), "an Exif directory of 1025 entries"),
+    # Pillow joins the Exif segments before it reads them: a directory in the second.
+    "an exif directory in a later segment": (
+        segment(0xE1, b"Exif\x00\x00II*\x00" + struct.pack("<I", 108) + bytes(100))
+        + segment(0xE1, b"Exif\x00\x00" + exif(1025)[14:]),
+        "an Exif directory of 1025 entries",
+    ),
     "photoshop resources": (
         segment(0xED, b"Photoshop 3.0\x00" + (b"8BIM\x04\x04\x00\x00\x00\x00\x00\x00") * 1025),
         "more than 1024 Photoshop resources",
@@ -289,6 +295,10 @@ def test_compressed_png_chunks_are_few():
     assert message.endswith("the PNG data is corrupt (over 8 compressed text or profile chunks)")
     plain_itxt = b"key\x00\x00\x00\x00\x00" + b"text"  # not compressed: not counted
     assert validate(with_chunks(b"iTXt", plain_itxt, 20), "png").accepted
+    # The flag is found as Pillow finds it, after the first zero byte, however far.
+    long_key = b"k" * 100 + b"\x00\x01\x00\x00\x00" + zlib.compress(b"a" * 100)
+    message = assert_refused(validate(with_chunks(b"iTXt", long_key, 9), "png"))
+    assert message.endswith("the PNG data is corrupt (over 8 compressed text or profile chunks)")
 
 
 def test_gif_stray_bytes_count_one_by_one():
