@@ -152,12 +152,7 @@ def print_rounds(result: Rounds, label_a: str, label_b: str, elapsed: float) -> 
 
 def best(function: Callable[[], object], reps: int) -> float:
     """The fastest of ``reps`` calls, in seconds: the one least disturbed by the machine."""
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(time_call(function) for _ in range(reps))
 
 
 def machine_line() -> str:

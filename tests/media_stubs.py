@@ -64,12 +64,17 @@ def png_with_chunks(count: int, before_image: bool = False) -> bytes:
     return small[:at] + png_chunk(b"zzZz", b"") * count + small[at:]
 
 
-def gif_with_sub_blocks(count: int) -> bytes:
-    """A real GIF with a comment extension of ``count`` one-byte sub-blocks before its image."""
+def gif_with(inserted: bytes) -> bytes:
+    """A real GIF with ``inserted`` where its first block starts (after the colour table)."""
     small = _small("GIF")
     table = 3 << ((small[10] & 7) + 1) if small[10] & 0x80 else 0
-    image = 13 + table  # the first block after the global colour table
-    return small[:image] + b"\x21\xfe" + b"\x01a" * count + b"\x00" + small[image:]
+    first = 13 + table
+    return small[:first] + inserted + small[first:]
+
+
+def gif_with_sub_blocks(count: int) -> bytes:
+    """A real GIF with a comment extension of ``count`` one-byte sub-blocks before its image."""
+    return gif_with(b"\x21\xfe" + b"\x01a" * count + b"\x00")
 
 
 def webp_with_chunks(count: int) -> bytes:

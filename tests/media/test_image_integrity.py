@@ -19,6 +19,7 @@ import pytest
 from PIL import GifImagePlugin, Image, ImageFile
 
 from conftest import body, chat, data_url, image_part
+from media_stubs import png_chunk
 from modalgate.errors import ErrorCode
 from modalgate.media import pillow
 from modalgate.media.decode import DecodeError, verify_image_data
@@ -42,10 +43,6 @@ def encode(image: Image.Image, fmt: str, **options: object) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, fmt, **options)
     return buffer.getvalue()
-
-
-def png_chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
 
 IEND = png_chunk(b"IEND", b"")
