@@ -187,10 +187,15 @@ class _Exchange:
             if not self._watcher_cancelled or _take_back_cancel(self._task):
                 raise  # not ours, or someone else's too
         finally:
+            # Dropped, not only called: the callback is our bound method, and the cycle
+            # it closes would keep the request's objects for the garbage collector.
+            self._task = None
             if self._watcher is not None:
                 self._watcher.cancel()
+                self._watcher = None
             if self._unwatch is not None:
                 self._unwatch()
+                self._unwatch = None
         logger.info("client disconnected; upstream request closed")
         return True
 
