@@ -187,8 +187,9 @@ class _Exchange:
             if not self._watcher_cancelled or _take_back_cancel(self._task):
                 raise  # not ours, or someone else's too
         finally:
-            # Dropped, not only called: the callback is our bound method, and the cycle
-            # it closes would keep the request's objects for the garbage collector.
+            # Dropped, not only cancelled or called: each leads back to this exchange (the
+            # callback is a bound method of ours), and the cycle would leave the request's
+            # objects to the garbage collector instead of freeing them now.
             self._task = None
             if self._watcher is not None:
                 self._watcher.cancel()
