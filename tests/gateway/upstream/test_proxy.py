@@ -4,7 +4,6 @@ real upstream (Starlette, SSE with delays) in this process, recording what it re
 from __future__ import annotations
 
 import contextlib
-import gc
 import signal
 import socket
 import threading
@@ -17,7 +16,7 @@ import openai
 import orjson
 import pytest
 
-from conftest import chat, data_url, free_port, image_bytes, serve
+from conftest import chat, data_url, free_port, image_bytes, objects_left_behind, serve
 from gateway_proc import GatewayProcess, metric, raw_http
 from modalgate.gateway.app import create_app
 from modalgate.gateway.http_protocol import ServeHttpProtocol
@@ -335,28 +334,11 @@ def test_a_finished_request_leaves_nothing_for_the_garbage_collector(
     toy.behaviour = Behaviour(tokens=2)
     request = chat(*request_parts, **extra)
 
-    def ours_alive() -> Counter[str]:
-        return Counter(
-            type(thing).__qualname__
-            for thing in gc.get_objects()
-            if str(type(thing).__module__).startswith("modalgate.")
-        )
+    def answered() -> None:
+        assert http_client.post("/v1/chat/completions", json=request).status_code == status
 
     with serve(app, http=http) as url, httpx.Client(base_url=url) as http_client:
-        for _ in range(3):  # what a connection keeps (its last request, pooled upstreams)
-            assert http_client.post("/v1/chat/completions", json=request).status_code == status
-        gc.collect()
-        gc.disable()
-        try:
-            before = ours_alive()
-            for _ in range(10):
-                answer = http_client.post("/v1/chat/completions", json=request)
-                assert answer.status_code == status
-            deadline = time.monotonic() + 5
-            while (left := ours_alive() - before) and time.monotonic() < deadline:
-                time.sleep(0.05)  # the server's side may still be finishing the last one
-        finally:
-            gc.enable()
+        left = objects_left_behind(answered)
     assert left == Counter()
 
 
