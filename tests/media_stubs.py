@@ -26,6 +26,29 @@ def png_bomb(width: int = 100_000, height: int = 100_000) -> bytes:
     )
 
 
+def png_of(
+    width: int,
+    height: int,
+    raw: bytes,
+    colour: int = 2,
+    depth: int = 8,
+    interlace: int = 0,
+    tail: bytes = b"IEND",
+) -> bytes:
+    """A PNG of width x height whose one IDAT holds ``raw`` as given (already compressed,
+    or not: the caller decides how wrong it is); ``tail``: the chunk kinds to end with."""
+    ihdr = struct.pack(">IIBBBBB", width, height, depth, colour, 0, 0, interlace)
+    ending = b"".join(png_chunk(tail[i : i + 4], b"") for i in range(0, len(tail), 4))
+    return b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IDAT", raw) + ending
+
+
+def png_rows(width: int, height: int, channels: int = 3, row_filter: int = 0) -> bytes:
+    """Uncompressed 8-bit pixel rows (a pattern that does not compress to nothing), each
+    behind its filter byte."""
+    line = bytes((x * 7) % 251 for x in range(width * channels))
+    return b"".join(bytes([row_filter]) + line[y % 3 :] + line[: y % 3] for y in range(height))
+
+
 # Minimal real container headers (enough for every sniffer, ffprobe included).
 MP4_BYTES = b"\x00\x00\x00\x18ftypmp42\x00\x00\x00\x00mp42isom" + b"\x00\x00\x00\x08free" * 4
 WAV_BYTES = (

@@ -12,20 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
-import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from PIL import Image, ImageOps
 
-from modalgate.media.image_integrity import (
-    ImageIntegrityError,
-    check_structure,
-    png_layout,
-    png_raw_size,
-)
+from modalgate.media.image_integrity import ImageIntegrityError, check_structure
 from modalgate.media.pillow import PLUGINS, open_image
 from modalgate.media.sniff import sniff
 
@@ -83,15 +76,15 @@ def verify_image_data(
     """Decode every pixel of the first ``frames`` frames, or raise DecodeError.
 
     The structural checks (``media.image_integrity``) cannot see inside compressed
-    data: a baseline JPEG cut mid-scan with ``FFD9`` appended, a PNG cut at an IDAT
-    chunk boundary, a GIF whose LZW data stops early all look whole. Decoding
+    data: a baseline JPEG cut mid-scan with ``FFD9`` appended or a GIF whose LZW data
+    stops early look whole (a PNG's streams are inflated by the walk itself). Decoding
     finds them, at decoding's price. Call ``check_structure`` first, for the frame
     count; ``max_pixels`` bounds every frame decoded here.
     """
     name = fmt.upper()
     try:
-        if fmt == "png":
-            _inflate_png(data, max_pixels)
+        if fmt == "png":  # the walk inflates every frame's pixel data (media.png_pixels)
+            check_structure(data, fmt, frames, max_pixels)
         elif fmt == "jpeg" and simplejpeg is not None:
             # Gray at 1/8 scale: the entropy-coded data is read in full, little is written.
             simplejpeg.decode_jpeg(data, colorspace="GRAY", min_factor=8, strict=True)
@@ -105,43 +98,11 @@ def verify_image_data(
                 image.load()
     except DecodeError:
         raise
+    except ImageIntegrityError as exc:
+        raise DecodeError(str(exc)) from None
     except Exception as exc:
         # libjpeg, zlib and Pillow describe the damage with internals; keep it short.
         raise DecodeError(f"the {name} image data is corrupt or truncated") from exc
-
-
-def _inflate_png(data: bytes, max_pixels: int) -> None:
-    """Inflate each frame's zlib stream: it must end (Adler-32 checked) at exactly the right size.
-
-    Independent of Pillow's ``LOAD_TRUNCATED_IMAGES``, which pads a short stream with
-    grey; the output is counted, not kept, and input is fed in small pieces so the
-    unconsumed tail zlib hands back stays small.
-    """
-    layout = png_layout(data, frame_limit=sys.maxsize)
-    view = memoryview(data)
-    for width, height, spans in layout.streams:
-        if width * height > max_pixels:  # an APNG frame larger than the image, say
-            raise DecodeError("a PNG frame is over the pixel limit")
-        expected = png_raw_size(width, height, layout.bits_per_pixel, layout.interlaced)
-        stream, produced = zlib.decompressobj(), 0
-        for start, length in spans:
-            for at in range(start, start + length, _FEED):
-                pending = view[at : min(at + _FEED, start + length)]
-                while pending and not stream.eof and produced <= expected:
-                    produced += len(stream.decompress(pending, _OUT))
-                    pending = stream.unconsumed_tail
-        while not stream.eof and produced <= expected:
-            chunk = stream.decompress(b"", _OUT)
-            if not chunk:
-                break
-            produced += len(chunk)
-        if produced > expected:
-            raise DecodeError("the PNG image data is longer than its header says")
-        if not stream.eof or produced != expected:
-            raise DecodeError("the PNG image data is truncated")
-
-
-_FEED, _OUT = 1 << 16, 1 << 20  # bytes of input per call, most bytes of output per call
 
 
 def to_rgb(image: Image.Image, background: Color = (255, 255, 255)) -> Image.Image:

@@ -9,9 +9,11 @@ GIF block chains, RIFF chunks, TIFF IFDs; JPEG in ``media.jpeg_structure``):
 about a millisecond per megabyte, no pixel decoded, and frame counting stops one
 frame past the caller's limit.
 
-What a walk cannot see (the entropy-coded data of a baseline JPEG cut at a
-byte, a PNG cut at an IDAT chunk boundary) needs a full decode; ``media.decode``
-offers that as policy (``verify_image_data``).
+A PNG's pixel data is inflated too (``media.png_pixels``): a decoder that meets a
+corrupt or short zlib stream or a bad row filter may kill its process. What a walk
+cannot see in other formats (the entropy-coded data of a baseline JPEG cut at a
+byte, which libjpeg finishes in grey) needs a full decode; ``media.decode`` offers
+that as policy (``verify_image_data``).
 
 Every walk counts the entries it reads against a budget for the file's size
 (``walk_budget``): a container padded with empty entries is refused within about
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from itertools import islice
 
 from modalgate.media.jpeg_structure import JpegStructureError, walk_jpeg
+from modalgate.media.png_pixels import PngPixelError, check_stream, raw_size
 from modalgate.media.walk_budget import (
     ENTRIES_PER_FRAME,
     MAX_TIFF_DIRECTORY_ENTRIES,
@@ -98,8 +101,6 @@ def _within(width: int, height: int, max_pixels: int | None) -> bool:
 
 _PNG_DEPTHS = {0: (1, 2, 4, 8, 16), 2: (8, 16), 3: (1, 2, 4, 8), 4: (8, 16), 6: (8, 16)}
 _PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
-_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2))
-_ADAM7 += ((0, 1, 1, 2),)  # (x0, y0, dx, dy) of the seven passes
 
 
 @dataclass(slots=True)
@@ -112,32 +113,26 @@ class PngLayout:
     streams: list[tuple[int, int, list[tuple[int, int]]]]
 
 
-def png_raw_size(width: int, height: int, bits_per_pixel: int, interlaced: bool) -> int:
-    """Inflated size of the pixel data: rows of one filter byte plus packed samples."""
-
-    def rows(w: int, h: int) -> int:
-        return h * (1 + (w * bits_per_pixel + 7) // 8) if w > 0 and h > 0 else 0
-
-    if not interlaced:
-        return rows(width, height)
-    return sum(
-        rows((width - x0 + dx - 1) // dx, (height - y0 + dy - 1) // dy) for x0, y0, dx, dy in _ADAM7
-    )
-
-
-def png_layout(data: bytes, frame_limit: int = 1, max_pixels: int | None = None) -> PngLayout:
-    """Walk every chunk (lengths, CRCs, order); raise ImageIntegrityError on a broken one."""
-    return _png_walk(data, frame_limit, max_pixels)[0]
-
-
 def _png(data: bytes, frame_limit: int, max_pixels: int | None) -> Structure:
-    return _png_walk(data, frame_limit, max_pixels)[1]
+    """The walk, then every counted frame's pixel data inflated (``png_pixels``)."""
+    layout, structure = _png_walk(data, frame_limit, max_pixels)
+    if structure.capped:  # refused for its frames by the caller
+        return structure
+    for width, height, spans in layout.streams:
+        if not _within(width, height, max_pixels):
+            break  # refused for its size by the caller
+        try:
+            check_stream(data, spans, width, height, layout.bits_per_pixel, layout.interlaced)
+        except PngPixelError as exc:
+            raise ImageIntegrityError(str(exc)) from None
+    return structure
 
 
 def _png_walk(data: bytes, frame_limit: int, max_pixels: int | None) -> tuple[PngLayout, Structure]:
     size, view, pos = len(data), memoryview(data), 8
     layout: PngLayout | None = None
     idat_total, idat_run, declared, fctl, palette = 0, 0, None, 0, False
+    default_in_animation = False  # an fcTL before the IDAT: the image is the first frame
     spans: list[tuple[int, int]] = []
     budget = entry_budget(size, BYTES_PER_PNG_CHUNK)
     ahead, compressed = PNG_CHUNKS_BEFORE_IMAGE, MAX_PNG_COMPRESSED_CHUNKS
@@ -145,6 +140,8 @@ def _png_walk(data: bytes, frame_limit: int, max_pixels: int | None) -> tuple[Pn
         budget -= 1
         if budget < 0:
             raise _corrupt("PNG", over_budget("chunks", size))
+        if pos == size and idat_run:
+            break  # only IEND is missing: decoders (libpng, Pillow) finish such a file
         if pos + 12 > size:
             raise _truncated("PNG")
         length, kind = struct.unpack_from(">I4s", data, pos)
@@ -185,6 +182,7 @@ def _png_walk(data: bytes, frame_limit: int, max_pixels: int | None) -> tuple[Pn
         elif idat_run == 1:
             idat_run, spans = 2, []  # fdAT before a frame's fcTL lands nowhere
         if kind == b"IEND":
+            pos = end
             break
         if kind == b"PLTE":
             palette = True
@@ -192,17 +190,23 @@ def _png_walk(data: bytes, frame_limit: int, max_pixels: int | None) -> tuple[Pn
             declared = int.from_bytes(data[body : body + 4], "big")
         elif kind == b"fcTL" and length == 26 and declared is not None:
             fctl, budget = fctl + 1, budget + ENTRIES_PER_FRAME
-            if fctl > frame_limit:
-                return layout, Structure(fctl, capped=True)
+            default_in_animation = default_in_animation or idat_run == 0
+            # A default image outside the animation is one more frame (Pillow's n_frames).
+            if fctl + (not default_in_animation) > frame_limit:
+                return layout, Structure(fctl + (not default_in_animation), capped=True)
             spans = []
-            fw, fh = struct.unpack_from(">II", data, body + 4)
+            fw, fh, fx, fy = struct.unpack_from(">IIII", data, body + 4)
+            if not (fw > 0 and fh > 0 and fx + fw <= width and fy + fh <= height):
+                raise _corrupt("PNG", "an animation frame lies outside the image")  # as Pillow
+            if idat_run == 0 and (fw, fh) != (width, height):
+                raise _corrupt("PNG", "the first frame's size is not the image's")
             if idat_run == 2:  # frames after the default image keep their data in fdAT
                 layout.streams.append((fw, fh, spans))
         elif kind == b"fdAT" and length >= 4:
             spans.append((body + 4, length - 4))
         pos = end
     assert layout is not None
-    if data.count(0, end) != size - end:
+    if data.count(0, pos) != size - pos:
         raise _corrupt("PNG", "data follows the IEND chunk")
     if idat_total == 0:
         raise _corrupt("PNG", "no IDAT chunk")
@@ -210,12 +214,12 @@ def _png_walk(data: bytes, frame_limit: int, max_pixels: int | None) -> tuple[Pn
         raise _corrupt("PNG", "a palette image without PLTE")
     if declared is not None and declared != fctl:
         raise _truncated("PNG", f": the animation declares {declared} frames but holds {fctl}")
-    raw = png_raw_size(width, height, layout.bits_per_pixel, layout.interlaced)
+    raw = raw_size(width, height, layout.bits_per_pixel, layout.interlaced)
     if _within(width, height, max_pixels) and idat_total * DEFLATE_MAX_RATIO + 1024 < raw:
         raise _truncated(
             "PNG", f": {idat_total} bytes of pixel data cannot hold a {width}x{height} image"
         )
-    return layout, Structure(max(1, fctl))
+    return layout, Structure(max(1, fctl + (fctl > 0 and not default_in_animation)))
 
 
 def _itxt_compressed(data: bytes, body: int, end: int) -> bool:

@@ -23,7 +23,8 @@ from media_stubs import png_chunk
 from modalgate.errors import ErrorCode
 from modalgate.media import pillow
 from modalgate.media.decode import DecodeError, verify_image_data
-from modalgate.media.image_integrity import ImageIntegrityError, check_structure, png_raw_size
+from modalgate.media.image_integrity import ImageIntegrityError, check_structure
+from modalgate.media.png_pixels import raw_size as png_raw_size
 from modalgate.policy import RuleMatcher, load_policy, parse_policy
 from modalgate.validators import Verdict, validate_body
 
@@ -169,12 +170,12 @@ def test_png_cut_in_half_with_iend_caught_by_the_structural_check(name):
     assert_refused(validate(whole[: len(whole) // 2] + IEND, "png"))
 
 
-def test_png_cut_at_an_idat_boundary_needs_verify_image_data(monkeypatch):
+def test_png_cut_at_an_idat_boundary_is_refused_without_verify_image_data(monkeypatch):
     whole = encode(noise((400, 300)), "PNG")  # Pillow writes 64 KiB IDAT chunks
     cut = png_cut_at_chunk(whole, 3)  # IHDR and the first two IDATs
     assert len(cut) < len(whole) // 2
-    assert validate(cut, "png").accepted
     monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)  # no matter
+    assert "truncated" in assert_refused(validate(cut, "png"))
     assert "truncated" in assert_refused(validate(cut, "png", VERIFY))
 
 
