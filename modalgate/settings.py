@@ -170,6 +170,27 @@ class GatewaySettings(BaseSettings):
         " and body): 408 request_timeout past it, and the connection closed",
         json_schema_extra=_flag("S"),
     )
+    client_header_timeout_s: Seconds = Field(
+        20.0,
+        description="the longest a request line and headers may take to arrive, from their"
+        " first byte, however steadily they come: 408 request_timeout past it, and the"
+        " connection closed",
+        json_schema_extra=_flag("S"),
+    )
+    client_body_timeout_s: Seconds = Field(
+        60.0,
+        description="the longest a request body may take to arrive, from the end of its"
+        " headers, plus 1 s for every client_body_min_rate bytes of it received: 408"
+        " request_timeout past it, and the connection closed",
+        json_schema_extra=_flag("S"),
+    )
+    client_body_min_rate: int = Field(
+        32 * 1024,
+        ge=1,
+        description="bytes of a request body that earn its client 1 s more than"
+        " client_body_timeout_s: a body that keeps coming at this rate is never cut off",
+        json_schema_extra=_flag("BYTES"),
+    )
     max_header_bytes: int = Field(
         64 * 1024,
         ge=1024,

@@ -27,10 +27,19 @@ A client that goes silent while its request is being read (headers or body) is
 answered ``408 request_timeout`` once nothing has arrived for ``read_timeout_s``, and
 the connection closed: uvicorn times out only the wait between requests, so a
 client sending a byte now and then (slowloris) would hold its connection and the
-body read so far for ever. Connections that never start a request are closed
-quietly after as long. A request line and headers longer than ``max_header_bytes``
-are answered ``431 headers_too_large``: llhttp sets no limit, so a client sending
-header lines without end would grow the gateway's memory as long as it kept on.
+body read so far for ever. Silence alone is not enough (a byte every second is
+never silent), so a head must also be in ``head_timeout_s`` after its first byte,
+and a body ``body_timeout_s`` after its head plus a second for every
+``body_min_rate`` bytes received (Apache's mod_reqtimeout ``MinRate``: a body that
+keeps the rate is never cut off, one trickled slower is, soon after
+``body_timeout_s``). One timer per connection looks at all three. Connections that
+never start a request are closed quietly after ``read_timeout_s``. A request line
+and headers longer than ``max_header_bytes`` are answered ``431
+headers_too_large``: llhttp sets no limit, so a client sending header lines without
+end would grow the gateway's memory as long as it kept on. Each head is counted
+from its first byte to its end however the reads fall: llhttp is fed each read in
+pieces that end where a head or body ends (``_parse``). A 431 or 408 for a head
+pipelined behind a request still being answered waits for that answer.
 
 Used by ``modalgate serve``; other servers hosting the app write as they do.
 """
@@ -39,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from contextlib import suppress
 from functools import lru_cache, partial
@@ -79,6 +89,12 @@ ANSWERED_BY_SERVER = "modalgate.answered_by_server"
 PROTOCOL_REFUSED = "protocol_refused"
 
 logger = logging.getLogger("modalgate.protocol")
+
+# What the next bytes of a connection are: a head (or blank lines before one); the rest
+# of a whole body (read past llhttp), of a longer body of declared length, or of a
+# chunked one (both parsed by llhttp); or nothing to read (refused, closed, upgraded).
+_HEAD, _WHOLE, _LENGTH, _CHUNKED, _DONE = range(5)
+_NEVER = math.inf
 
 
 class CoalescingTransport:
@@ -170,52 +186,69 @@ class _BodySoFar:
 
 class ServeHttpProtocol(CoalescingHttpToolsProtocol):
     """``modalgate serve``'s protocol: request bodies whole (above), writes coalesced,
-    the client's going away told by a callback (``ON_CLIENT_GONE``), a silent client
-    timed out while its request is read (``read_timeout_s``; None: never), and a
-    request's head capped in size (``max_header_bytes``)."""
+    the client's going away told by a callback (``ON_CLIENT_GONE``), a request's head
+    capped in size (``max_header_bytes``), and a client timed out while its request is
+    read: silent for ``read_timeout_s``, or a head not in ``head_timeout_s`` after its
+    first byte, or a body not in ``body_timeout_s`` after its head plus a second for
+    every ``body_min_rate`` bytes received (None: no such limit).
+
+    llhttp is fed each read in pieces that end where a head ends (its CRLF CRLF, found
+    by ``bytes.find``), where a body of known length ends, and where a chunked body may
+    end (it always ends in CRLF CRLF too): so the bytes of each head are counted
+    exactly, however the reads fall, and nothing of a body is taken for a head."""
 
     def __init__(
         self,
         *args: Any,
         read_timeout_s: float | None = None,
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        head_timeout_s: float | None = None,
+        body_timeout_s: float | None = None,
+        body_min_rate: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.read_timeout_s = read_timeout_s
         self.max_header_bytes = max_header_bytes
-        self._in_head = False  # between a request's first byte and its headers' end
-        self._head_bytes = 0
+        self.head_timeout_s = head_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self.body_min_rate = body_min_rate
+        self._silence_s = _or_never(read_timeout_s)
+        self._head_s = _or_never(head_timeout_s)
+        self._body_s = _or_never(body_timeout_s)
+        self._rate = _or_never(body_min_rate)  # bytes a second of body that earn a second
+        # The timer looks at least this often: no deadline is missed by more than timers are.
+        self._every = min(self._silence_s, self._head_s, self._body_s)
+        self._phase = _HEAD
+        self._head_bytes = 0  # of the head being read (blank lines before it included)
+        self._tail = b""  # the last bytes of a head or chunked body that goes on past a read
         self._reading = True  # a request (the connection's first, or one begun) is due
-        self._request_begun = False
-        self._cycle_before: RequestResponseCycle | None = None  # the last request's
-        self._whole = False  # this request's body is handed over whole
-        self._body_left = 0  # bytes of a whole body still to come
+        self._body_length = 0  # declared (0: chunked, counted down from 0 as it comes)
+        self._body_left = 0  # bytes of a body of declared length still to come
+        self._reader: WholeBodyReader | None = None
         self._last_read = 0.0
+        self._head_since = 0.0
+        self._body_since = 0.0
         self._read_timer: asyncio.TimerHandle | None = None
+        self._paused = False  # reading was paused when the timer last looked
+        self._deferred: tuple[bytes, str, Violation] | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._gone = False
         self._on_gone: list[Callable[[], object]] = []
-        if self.read_timeout_s is not None:
+        if self._every != _NEVER:
             self._last_read = self.loop.time()
-            self._read_timer = self.loop.call_later(self.read_timeout_s, self._check_reading)
+            self._read_timer = self.loop.call_later(self._every, self._check_reading)
 
     def data_received(self, data: bytes) -> None:
         self._last_read = self.loop.time()
-        left = self._body_left
-        if left <= 0:
-            super().data_received(data)
-            if self._in_head:  # still: count what the head has taken so far
-                self._head_bytes += len(data)
-                if self._head_bytes > self.max_header_bytes:
-                    self._refuse_head()
-            elif self._body_left >= IN_PLACE_MIN_BYTES:
-                self._read_body_in_place()
+        if self._phase != _WHOLE:
+            self._parse(data, 0)
             return
         # The rest of a whole body of known length: kept as read. llhttp would copy each
         # read into a new bytes object to hand it over; it learns nothing from the bytes.
+        left = self._body_left
         if len(data) < left:
             self._body_left = left - len(data)
             self.on_body_read(data)
@@ -223,7 +256,56 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
         self.on_body_read(data if len(data) == left else data[:left])
         self._body_whole()
         if len(data) > left:  # a pipelined request follows
-            super().data_received(data[left:])
+            self._parse(data, left)
+
+    def _parse(self, data: bytes, pos: int) -> None:
+        """``data`` from ``pos`` to llhttp, a piece at a time: each ends where a head or a
+        body ends (or may end), so each head is measured, and the next begins a piece."""
+        size = len(data)
+        view = None
+        while pos < size:
+            phase = self._phase
+            if phase in (_HEAD, _CHUNKED):
+                end = self._block_end(data, pos)
+                stop = size if end < 0 else end
+                if phase == _HEAD:
+                    if self._head_bytes == 0:  # a request begins: its head's clock starts
+                        self._head_since = self._last_read
+                        self._reading = True
+                    self._head_bytes += stop - pos
+                    if self._head_bytes > self.max_header_bytes:
+                        self._refuse_head()
+                        return
+                if end >= 0:
+                    self._tail = b""
+                else:  # goes on in the next read: its last bytes may begin CRLF CRLF
+                    self._tail = data[-3:] if size - pos >= 3 else (self._tail + data[pos:])[-3:]
+            elif phase == _DONE:
+                return  # refused, timed out, closed after this request, or upgraded
+            else:  # the part of a body of known length that this read holds
+                stop = pos + self._body_left
+                if stop > size or stop <= pos:  # (llhttp ends an empty body by itself)
+                    stop = size
+            if pos == 0 and stop == size:
+                super().data_received(data)
+            else:
+                if view is None:
+                    view = memoryview(data)
+                super().data_received(view[pos:stop])
+            pos = stop
+        if self._phase == _WHOLE and self._body_left >= IN_PLACE_MIN_BYTES:
+            self._read_body_in_place()
+
+    def _block_end(self, data: bytes, pos: int) -> int:
+        """Where the first CRLF CRLF from ``pos`` ends (one begun in the last read
+        included), or -1. llhttp takes no other end of a head or a chunked body."""
+        tail = self._tail
+        if tail:
+            at = (tail + data[pos : pos + 3]).find(b"\r\n\r\n")
+            if at >= 0:
+                return pos + at + 4 - len(tail)
+        at = data.find(b"\r\n\r\n", pos)
+        return at + 4 if at >= 0 else -1
 
     def _read_body_in_place(self) -> None:
         """The rest of this whole body read straight into it (``body_reader``), unless
@@ -235,12 +317,15 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
         start = so_far.chunks if type(so_far) is _BodySoFar else (so_far,)
         size = len(so_far) + self._body_left
         transport = self.transport.transport  # type: ignore[attr-defined]
-        WholeBodyReader(self, transport, start, size, self._note_read, self._body_in_place)
+        self._reader = WholeBodyReader(
+            self, transport, start, size, self._note_read, self._body_in_place
+        )
 
     def _note_read(self) -> None:
         self._last_read = self.loop.time()
 
     def _body_in_place(self, body: bytes) -> None:
+        self._reader = None
         if not self.cycle.response_complete:
             self.cycle.body = _BodySoFar(body, whole=True)
         self._body_whole()
@@ -266,23 +351,64 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
             self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
 
     def on_message_begin(self) -> None:
-        self._cycle_before = self.cycle
+        if self._head_bytes == 0:
+            # A request ended inside the piece fed and another began (pieces end where
+            # requests do, so llhttp and this framing disagree): where it began is not
+            # known, so neither is its size. llhttp's refusal: uvicorn answers 400.
+            raise httptools.HttpParserError("a request began where none could")
         super().on_message_begin()
-        self._reading = self._request_begun = self._in_head = True
-        self._head_bytes = 0
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        self._reading = self._request_begun = False
+        self._reading = False
+        self._head_bytes = 0
+        self._tail = b""
+        cycle = self.cycle
+        # After a request that closes the connection, what follows is not read (as llhttp
+        # leaves it, lenient_data_after_close).
+        self._phase = _HEAD if cycle is None or cycle.keep_alive else _DONE
+
+    def handle_websocket_upgrade(self) -> None:
+        self._phase = _DONE  # the rest of the connection is the websocket protocol's
+        super().handle_websocket_upgrade()
+
+    def send_400_response(self, msg: str) -> None:
+        self._phase = _DONE  # llhttp refused the bytes: nothing after them is read
+        super().send_400_response(msg)
 
     def _refuse_head(self) -> None:
         """431, and the connection closed: the head cannot be parsed past its end."""
-        self._in_head = False
+        limit = self.max_header_bytes
+        self._answer_head(
+            _head_too_large_response(limit), "client_headers_too_large", _head_too_large(limit)
+        )
+
+    def _answer_head(self, answer: bytes, event: str, violation: Violation) -> None:
+        """A request refused before its head is in: nothing more is read, and the answer
+        goes (and the connection closes) once the requests before it, pipelined, have
+        had theirs: the client reads the answers in order."""
+        self._phase = _DONE
+        self._reading = False
+        before = self.cycle
+        if before is not None and not before.response_complete:
+            self._deferred = (answer, event, violation)
+            self.flow.pause_reading()
+            return
+        self._answer_and_close(answer, event, violation)
+
+    def _answer_and_close(self, answer: bytes, event: str, violation: Violation) -> None:
         if self.transport.is_closing():
-            return  # llhttp refused the bytes already (uvicorn answered 400)
-        self.transport.write(_head_too_large_response(self.max_header_bytes))
+            return  # closed already (the request before asked to close it)
+        self.transport.write(answer)
         self.transport.close()
-        self._refused("client_headers_too_large", _head_too_large(self.max_header_bytes))
+        self._refused(event, violation)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        deferred = self._deferred
+        if deferred is not None and self.cycle.response_complete:
+            self._deferred = None
+            self._answer_and_close(*deferred)
 
     def _refused(self, event: str, violation: Violation) -> None:
         """Logged here (with the client's address), and counted by the app if it counts."""
@@ -295,9 +421,9 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
 
     def _check_reading(self) -> None:
         """One timer per connection, re-armed as it fires (no timer made per request):
-        the client has gone silent for ``read_timeout_s`` while a request is due, or the
-        timer is set for the time left."""
-        assert self.read_timeout_s is not None
+        the client has gone silent, or its head or body is past its deadline, while a
+        request is due; or the timer is set for the nearest of them (at most ``_every``
+        away, so a request begun meanwhile is not looked at late)."""
         self._read_timer = None
         protocol = self.transport.get_protocol()
         if (
@@ -306,32 +432,79 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
             or (protocol is not self and getattr(protocol, "owner", None) is not self)
         ):
             return  # closed, or upgraded to a websocket
-        silent_for = self.loop.time() - self._last_read
-        if not self._reading or self.flow.read_paused or silent_for < self.read_timeout_s:
-            # Between requests uvicorn's keep-alive timeout rules; paused: we stopped reading.
-            wait = self.read_timeout_s if not self._reading else self.read_timeout_s - silent_for
-            self._read_timer = self.loop.call_later(max(wait, 0.001), self._check_reading)
+        now = self.loop.time()
+        phase = self._phase
+        if not self._reading or phase == _DONE:
+            # Between requests uvicorn's keep-alive timeout rules; done: nothing is read.
+            self._paused = False
+            self._arm(self._every)
+            return
+        paused = self.flow.read_paused
+        if paused or self._paused:
+            # We stopped reading, not the client (flow control, a pipelined request
+            # waiting its turn): its clocks start again once we read again (at the first
+            # look that finds reading resumed, which is at most ``_every`` after it).
+            self._paused = paused
+            self._last_read = self._head_since = self._body_since = now
+            self._arm(self._every)
+            return
+        begun = phase != _HEAD or self._head_bytes > 0
+        if phase == _HEAD:
+            deadline = self._head_since + self._head_s if begun else _NEVER
+        else:
+            deadline = self._body_since + self._body_s + self._body_received() / self._rate
+        silent_until = self._last_read + self._silence_s
+        due = min(deadline, silent_until)
+        if now < due:
+            self._arm(due - now)
+            return
+        if silent_until <= deadline:
+            late = _timed_out(self._silence_s)
+        elif phase == _HEAD:
+            late = _head_late(self._head_s)
+        else:
+            late = _body_late(self._body_s, self._rate)
+        if phase == _HEAD:
+            if begun:
+                self._answer_head(_timed_out_response(late), "client_timed_out", late)
+            else:
+                self.transport.close()  # never began a request: closed without an answer
             return
         # This request's cycle (its headers are in) may have answered already: then no 408.
-        cycle = self.cycle if self.cycle is not self._cycle_before else None
-        if self._request_begun and (cycle is None or not cycle.response_started):
-            self.transport.write(_timed_out_response(self.read_timeout_s))
-            if cycle is not None:  # its headers were in: the app is waiting for the body
-                cycle.scope.setdefault("extensions", {})[ANSWERED_BY_SERVER] = 408  # type: ignore[typeddict-item]
-            self._refused("client_timed_out", _timed_out(self.read_timeout_s))
+        cycle = self.cycle
+        if not cycle.response_started:
+            self.transport.write(_timed_out_response(late))
+            cycle.scope.setdefault("extensions", {})[ANSWERED_BY_SERVER] = 408  # type: ignore[typeddict-item]
+            self._refused("client_timed_out", late)
         self.transport.close()  # the app waiting for the body hears http.disconnect
 
+    def _arm(self, wait: float) -> None:
+        self._read_timer = self.loop.call_later(
+            max(min(wait, self._every), 0.001), self._check_reading
+        )
+
+    def _body_received(self) -> int:
+        """Bytes of this body in so far (a chunked one's count runs down from 0)."""
+        reader = self._reader
+        left = self._body_left if reader is None else reader.get_buffer(0).nbytes
+        return self._body_length - left
+
     def on_headers_complete(self) -> None:
-        self._in_head = False
         super().on_headers_complete()
         self.scope.setdefault("extensions", {})[ON_CLIENT_GONE] = self._call_when_gone  # type: ignore[typeddict-item]
+        self._tail = b""
+        self._body_since = self._last_read
         cycle = self.cycle
-        length = None
+        length, chunked = 0, False
         # Not an upgrade (llhttp treats what follows its headers otherwise).
         if cycle is not None and cycle.scope is self.scope and not self.parser.should_upgrade():
-            length = _whole_body_length(cycle)
-        self._whole = length is not None
-        self._body_left = length or 0
+            length, chunked = _declared_body(cycle)
+        # No body: llhttp ends the request at once (on_message_complete).
+        if chunked:
+            self._phase = _CHUNKED
+        else:
+            self._phase = _WHOLE if 0 < length <= WHOLE_BODY_BYTES else _LENGTH
+        self._body_length = self._body_left = length
 
     def _call_when_gone(self, callback: Callable[[], object]) -> Callable[[], None]:
         """Call ``callback`` once the connection is lost (at once if it is); the function
@@ -345,6 +518,7 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self._gone = True
+        self._deferred = None
         if self._read_timer is not None:
             self._read_timer.cancel()
             self._read_timer = None
@@ -359,7 +533,7 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
             return
         so_far = cycle.body
         if type(so_far) is not _BodySoFar:  # uvicorn starts each part with a bytearray
-            so_far = cycle.body = _BodySoFar(so_far, self._whole)
+            so_far = cycle.body = _BodySoFar(so_far, self._phase == _WHOLE)
         so_far += body
         if so_far.whole:
             return  # on_message_complete wakes the app (or connection_lost, on a disconnect)
@@ -373,13 +547,26 @@ def _timed_out(timeout_s: float) -> Violation:
     return Violation(ErrorCode.REQUEST_TIMEOUT, message)
 
 
+def _head_late(timeout_s: float) -> Violation:
+    message = f"the request line and headers did not arrive in full within {timeout_s:g} s"
+    return Violation(ErrorCode.REQUEST_TIMEOUT, message)
+
+
+def _body_late(timeout_s: float, rate: float) -> Violation:
+    message = (
+        f"the request body did not arrive in time: {timeout_s:g} s, and 1 s more for every"
+        f" {rate:g} bytes received"
+    )
+    return Violation(ErrorCode.REQUEST_TIMEOUT, message)
+
+
 def _head_too_large(limit: int) -> Violation:
     message = f"the request line and headers are larger than {limit} bytes"
     return Violation(ErrorCode.HEADERS_TOO_LARGE, message)
 
 
-def _timed_out_response(timeout_s: float) -> bytes:
-    return _closing_answer(b"Request Timeout", _timed_out(timeout_s))
+def _timed_out_response(late: Violation) -> bytes:
+    return _closing_answer(b"Request Timeout", late)
 
 
 def _head_too_large_response(limit: int) -> bytes:
@@ -407,15 +594,18 @@ def _nothing() -> None:
     return None
 
 
-def _whole_body_length(cycle: RequestResponseCycle) -> int | None:
-    """The Content-Length, where it is at most ``WHOLE_BODY_BYTES`` and there is no
-    Transfer-Encoding (llhttp refuses a request with both, and a length it cannot read)."""
-    length = None
+def _or_never(seconds: float | None) -> float:
+    return _NEVER if seconds is None else seconds
+
+
+def _declared_body(cycle: RequestResponseCycle) -> tuple[int, bool]:
+    """The Content-Length (0 without one), and whether the body is chunked instead
+    (llhttp refuses a request with both, a length it cannot read, and a request whose
+    Transfer-Encoding does not end in chunked)."""
+    length = b"0"
     for name, value in cycle.scope["headers"]:
         if name == b"content-length":
             length = value
         elif name == b"transfer-encoding":
-            return None
-    if length is None or not length.isdigit() or int(length) > WHOLE_BODY_BYTES:
-        return None
-    return int(length)
+            return 0, True
+    return int(length) if length.isdigit() else 0, False

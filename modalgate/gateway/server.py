@@ -143,11 +143,14 @@ def _options(settings: GatewaySettings) -> dict[str, Any]:
         # X-Forwarded-For is passed on as a chain, not folded into the client address.
         "proxy_headers": False,
         "lifespan": "on",
-        # Request bodies whole, a small response in one write, a silent client timed out,
-        # a head's size capped (gateway/http_protocol.py).
+        # Request bodies whole, a small response in one write, a silent or slow client
+        # timed out, a head's size capped (gateway/http_protocol.py).
         "http": partial(
             ServeHttpProtocol,
             read_timeout_s=settings.client_timeout_s,
             max_header_bytes=settings.max_header_bytes,
+            head_timeout_s=settings.client_header_timeout_s,
+            body_timeout_s=settings.client_body_timeout_s,
+            body_min_rate=settings.client_body_min_rate,
         ),
     }

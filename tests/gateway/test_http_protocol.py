@@ -33,6 +33,7 @@ GO_ON = threading.Event()
 FIRST_PART_IN = threading.Event()  # the app took a part of a body with more to come
 DISCONNECTED = threading.Event()
 CALLED_BACK: list[str] = []
+SLOW_S = 0.4  # how long /slow takes to answer
 
 
 class _CountingTransport:
@@ -88,6 +89,12 @@ async def app(scope, receive, send) -> None:
         headers.append((b"content-length", b"2"))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": b"ok"})
+    elif path == "/slow":  # answers late (SLOW_S, or ?for=S), without reading a body
+        query = scope["query_string"].decode()
+        await asyncio.sleep(float(query.partition("=")[2]) if query else SLOW_S)
+        headers.append((b"content-length", b"4"))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"slow"})
     elif path == "/close":
         headers += [(b"connection", b"close"), (b"content-length", b"3")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -656,3 +663,288 @@ def test_a_head_just_under_the_limit_is_served(impatient):
         assert _echoed(sock)["sizes"] == [3]
         sock.sendall(_post(3, padding.decode()) + b"def")  # and the next one on the connection
         assert _echoed(sock)["sizes"] == [3]
+
+
+# ---------------------------------------------------------------- each head measured exactly
+
+LIMIT = 300  # bytes of request line and headers
+
+
+@pytest.fixture(scope="module")
+def measured() -> Iterator[int]:
+    """The protocol with a small head limit and no deadline a test here could reach."""
+    protocol = partial(CountingProtocol, read_timeout_s=10, max_header_bytes=LIMIT)
+    yield from _serving(protocol)
+
+
+def _head_of(size: int, length: int, path: str = "/echo") -> bytes:
+    """A POST head of exactly ``size`` bytes (padded with a header)."""
+    start = f"POST {path} HTTP/1.1\r\nhost: t\r\ncontent-length: {length}\r\n"
+    pad = size - len(start) - len("x-pad: \r\n\r\n")
+    head = (start + "x-pad: " + "a" * pad + "\r\n\r\n").encode()
+    assert len(head) == size
+    return head
+
+
+def _sent_in_reads(sock: socket.socket, data: bytes, cuts: list[int]) -> None:
+    """``data`` cut at ``cuts``, each piece its own write, with a pause after it so
+    that the server reads it alone."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    at = 0
+    for cut in [*cuts, len(data)]:
+        with contextlib.suppress(OSError):  # refused and closed meanwhile
+            sock.sendall(data[at:cut])
+        at = cut
+        time.sleep(0.005 if len(cuts) > 50 else 0.03)
+
+
+def _answers(data: bytes) -> list[tuple[bytes, bytes]]:
+    """(status line, body) of each response in ``data``, all with a content-length."""
+    answers = []
+    while data:
+        head, _, rest = data.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        length = next(int(line[16:]) for line in lines if line.startswith(b"content-length: "))
+        if len(rest) < length:
+            raise ValueError("a response not in full yet")
+        answers.append((lines[0], rest[:length]))
+        data = rest[length:]
+    return answers
+
+
+def _read_answers(sock: socket.socket, count: int) -> list[tuple[bytes, bytes]]:
+    """The first ``count`` responses on ``sock`` (the connection left open)."""
+    data = b""
+    while True:
+        with contextlib.suppress(StopIteration, ValueError):
+            answers = _answers(data)
+            if len(answers) >= count:
+                return answers
+        chunk = sock.recv(65536)
+        assert chunk, data
+        data += chunk
+
+
+def _echo(body: bytes) -> tuple[bytes, bytes]:
+    answer = json.dumps({"sizes": [len(body)], "sha256": hashlib.sha256(body).hexdigest()})
+    return b"HTTP/1.1 200 OK", answer.encode()
+
+
+FIRST_BODY = bytes(range(256)) * 2  # more than LIMIT: were it counted as a head, a 431
+SECOND_BODY = b"second"
+
+
+def _two_requests(second_head_size: int) -> tuple[bytes, int, int]:
+    """A request with a body longer than the head limit, then one whose head is
+    ``second_head_size`` bytes; and where the first's body and the second's head start."""
+    first = _head_of(200, len(FIRST_BODY))
+    second = _head_of(second_head_size, len(SECOND_BODY))
+    stream = first + FIRST_BODY + second + SECOND_BODY
+    return stream, len(first), len(first) + len(FIRST_BODY)
+
+
+SPLITS = {
+    # the second head shares a read with the first's body, then the rest of it
+    "behind a body": lambda body_at, head_at, size: [body_at, head_at + size - 10],
+    "one write": lambda body_at, head_at, size: [],
+    "byte by byte": lambda body_at, head_at, size: list(range(head_at, head_at + size + 1)),
+    # the head's CRLF CRLF cut in two, each part behind other bytes
+    "end cut after CR": lambda body_at, head_at, size: [head_at + 5, head_at + size - 1],
+    "end cut after CRLF": lambda body_at, head_at, size: [head_at - 1, head_at + size - 2],
+    "end cut after CRLF CR": lambda body_at, head_at, size: [head_at + size - 3],
+    "every 7 bytes": lambda body_at, head_at, size: list(range(7, head_at + size + 7, 7)),
+}
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("over", [0, 1], ids=["at the limit", "one byte over"])
+def test_each_head_is_measured_exactly_however_the_reads_fall(measured, split, over):
+    """A head of exactly the limit is served and one a byte longer refused, whether it
+    comes in one read, a byte at a time, cut inside its final CRLF CRLF, or in a read
+    behind a body longer than the limit; the request before it is answered either way."""
+    stream, body_at, head_at = _two_requests(LIMIT + over)
+    with socket.create_connection(("127.0.0.1", measured)) as sock:
+        sock.settimeout(5)
+        _sent_in_reads(sock, stream, SPLITS[split](body_at, head_at, LIMIT + over))
+        answers = _answers(_until_closed(sock)[0]) if over else _read_answers(sock, 2)
+    assert answers[0] == _echo(FIRST_BODY)
+    if over:
+        assert answers[1][0] == b"HTTP/1.1 431 Request Header Fields Too Large"
+        assert json.loads(answers[1][1])["error"]["code"] == "headers_too_large"
+        assert len(answers) == 2
+    else:
+        assert answers == [_echo(FIRST_BODY), _echo(SECOND_BODY)]
+
+
+def _chunked(body: bytes, path: str = "/echo") -> bytes:
+    """A chunked request: ``body`` in two chunks, and a trailer."""
+    head = f"POST {path} HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n".encode()
+    half = len(body) // 2
+    chunks = b"%x\r\n%s\r\n%x\r\n%s\r\n" % (half, body[:half], len(body) - half, body[half:])
+    return head + chunks + b"0\r\nx-trailer: yes\r\n\r\n"
+
+
+@pytest.mark.parametrize("cut", [0, 1, 2, 3], ids=lambda cut: f"end cut {cut} from its end")
+def test_a_head_behind_a_chunked_body_is_measured_from_the_body_s_end(measured, cut):
+    """A chunked body ends at a CRLF CRLF (after its trailers), which its chunks may
+    hold too; the head after it, in the same read, counts from its own first byte."""
+    body = b"\r\n\r\n" * 100  # the end of a chunked body, many times over, as data
+    first = _chunked(body)
+    second = _head_of(LIMIT, len(SECOND_BODY))
+    stream = first + second + SECOND_BODY
+    at = len(first) - cut  # where the first read ends
+    cuts = [at, len(first) + LIMIT - 5] if cut else [len(first) + LIMIT - 5]
+    with socket.create_connection(("127.0.0.1", measured)) as sock:
+        sock.settimeout(5)
+        _sent_in_reads(sock, stream, cuts)
+        (status, first_echo), second_answer = _read_answers(sock, 2)
+    echoed = json.loads(first_echo)  # a chunked body is handed over as it comes
+    assert status == b"HTTP/1.1 200 OK" and sum(echoed["sizes"]) == len(body)
+    assert echoed["sha256"] == hashlib.sha256(body).hexdigest()
+    assert second_answer == _echo(SECOND_BODY)
+
+
+def test_the_answer_to_a_request_before_a_refused_head_is_sent_first(measured):
+    """Pipelined: the app is still answering the first request when the second's head
+    passes the limit. The first's answer goes out, then the 431, then the close."""
+    stream = _request("/slow") + _head_of(LIMIT + 200, 3) + b"abc"
+    with socket.create_connection(("127.0.0.1", measured)) as sock:
+        sock.settimeout(5)
+        sock.sendall(stream)
+        response, waited = _until_closed(sock)
+    answers = _answers(response)
+    assert answers[0] == (b"HTTP/1.1 200 OK", b"slow")
+    assert answers[1][0] == b"HTTP/1.1 431 Request Header Fields Too Large"
+    assert len(answers) == 2 and waited > SLOW_S * 0.8
+
+
+# ---------------------------------------------------------------- deadlines for a head and a body
+
+SILENCE_S = 0.6
+HEAD_S = 0.6
+BODY_S = 0.6
+RATE = 2000  # bytes of body a second that earn a second
+
+
+@pytest.fixture(scope="module")
+def deadlines() -> Iterator[int]:
+    protocol = partial(
+        CountingProtocol,
+        read_timeout_s=SILENCE_S,
+        head_timeout_s=HEAD_S,
+        body_timeout_s=BODY_S,
+        body_min_rate=RATE,
+    )
+    yield from _serving(protocol, timeout_keep_alive=30)
+
+
+def _dribbled(sock: socket.socket, data: bytes, every_s: float) -> None:
+    """A byte at a time, never silent for long, until sent or refused."""
+    with contextlib.suppress(OSError):
+        for at in range(len(data)):
+            sock.sendall(data[at : at + 1])
+            time.sleep(every_s)
+
+
+def _dribbling(sock: socket.socket, data: bytes, every_s: float) -> threading.Thread:
+    thread = threading.Thread(target=_dribbled, args=(sock, data, every_s), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_head_dribbled_without_silence_is_answered_408_at_its_deadline(deadlines):
+    with socket.create_connection(("127.0.0.1", deadlines)) as sock:
+        sock.settimeout(5)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _dribbling(sock, _head_of(200, 3), SILENCE_S / 6)  # 200 bytes: 20 s at this pace
+        response, waited = _until_closed(sock)
+    error = _timed_out(response)
+    assert error["code"] == "request_timeout"
+    assert error["message"] == "the request line and headers did not arrive in full within 0.6 s"
+    assert HEAD_S * 0.8 < waited < HEAD_S + 1.5
+
+
+def test_a_body_trickled_without_silence_is_answered_408_at_its_deadline(deadlines):
+    DISCONNECTED.clear()
+    with socket.create_connection(("127.0.0.1", deadlines)) as sock:
+        sock.settimeout(5)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(_post(1000))
+        _dribbling(sock, b"x" * 1000, SILENCE_S / 6)  # 10 bytes a second: far under RATE
+        response, waited = _until_closed(sock)
+    error = _timed_out(response)
+    assert error["message"] == (
+        "the request body did not arrive in time: 0.6 s, and 1 s more for every 2000 bytes received"
+    )
+    assert BODY_S * 0.8 < waited < BODY_S + 1.5
+    assert DISCONNECTED.wait(5)  # the app waiting for the body is let go
+
+
+@pytest.mark.parametrize("length", [20_000, 300_000], ids=["read by the protocol", "in place"])
+def test_a_body_that_keeps_up_the_rate_may_take_longer_than_the_deadline(
+    deadlines, readers, length
+):
+    """Each RATE bytes received earn a second: a body arriving at twice the rate is
+    never cut off, however long it takes in all (here over twice BODY_S)."""
+    body = bytes(range(256)) * (length // 256)
+    pieces = 8
+    step = len(body) // pieces
+    pause = max(step / (2 * RATE), BODY_S / 3)  # at least twice the rate, in all
+    pause = min(pause, BODY_S * 0.3)  # and never silent for long
+    with socket.create_connection(("127.0.0.1", deadlines)) as sock:
+        sock.settimeout(10)
+        sock.sendall(_post(len(body)) + body[:step])
+        started = time.monotonic()
+        for at in range(step, len(body), step):
+            time.sleep(pause)
+            sock.sendall(body[at : at + step])
+        echoed = _echoed(sock)
+    assert time.monotonic() - started > BODY_S * 2
+    assert echoed == {"sizes": [len(body)], "sha256": hashlib.sha256(body).hexdigest()}
+    assert len(readers) == (length > 2 * http_protocol.IN_PLACE_MIN_BYTES)
+
+
+def test_a_chunked_body_earns_time_by_what_has_come(deadlines):
+    head = b"POST /echo HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+    chunk = b"y" * 800  # 800 bytes each BODY_S / 3: 2,000 a second
+    with socket.create_connection(("127.0.0.1", deadlines)) as sock:
+        sock.settimeout(10)
+        sock.sendall(head)
+        for _ in range(6):  # 1.2 s in all, twice BODY_S
+            sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            time.sleep(BODY_S / 3)
+        sock.sendall(b"0\r\n\r\n")
+        echoed = _echoed(sock)
+    assert sum(echoed["sizes"]) == 6 * len(chunk)
+
+
+def test_time_a_request_waits_for_its_turn_is_not_held_against_its_client(deadlines):
+    """Pipelined behind a slow answer, the second request's reading is paused by the
+    server: its client cannot send meanwhile, so neither clock runs for it; once its
+    turn comes, it has the whole of each again."""
+    slow = f"GET /slow?for={SLOW_S * 4} HTTP/1.1\r\nhost: t\r\n\r\n".encode()
+    second = _post(10) + b"abc"
+    with socket.create_connection(("127.0.0.1", deadlines)) as sock:
+        sock.settimeout(10)
+        sock.sendall(slow + second)
+        first = _read_response(sock, b"slow")
+        time.sleep(SILENCE_S / 3)  # a client in no hurry: it takes its time to go on
+        sock.sendall(b"defghij")  # the rest of the second body, once the first is answered
+        echoed = _echoed(sock)
+    assert first.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert echoed == {"sizes": [10], "sha256": hashlib.sha256(b"abcdefghij").hexdigest()}
+
+
+def test_a_deadline_for_a_head_behind_a_slow_answer_waits_for_that_answer(deadlines):
+    """The head pipelined behind the slow request passes its deadline while the app is
+    still answering: the answer goes out first, then the 408."""
+    slow = f"GET /slow?for={SLOW_S * 4} HTTP/1.1\r\nhost: t\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", deadlines)) as sock:
+        sock.settimeout(10)
+        sock.sendall(slow + b"POST /echo HTTP/1.1\r\nhost: t\r\n")
+        response, waited = _until_closed(sock)
+    answers = _answers(response)
+    assert answers[0] == (b"HTTP/1.1 200 OK", b"slow")
+    assert answers[1][0] == b"HTTP/1.1 408 Request Timeout"
+    assert json.loads(answers[1][1])["error"]["code"] == "request_timeout"
+    assert len(answers) == 2 and waited > SLOW_S * 4 * 0.8

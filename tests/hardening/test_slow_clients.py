@@ -1,12 +1,15 @@
 """Slow clients (slowloris) against a real ``modalgate serve``: connections that trickle
 a request and go silent are answered 408 and closed once ``--client-timeout`` passes,
-and hold nothing up meanwhile; a head sent without end is answered 431 at its limit."""
+and hold nothing up meanwhile; a head or body that keeps trickling is answered 408 at
+its own deadline; a head sent without end is answered 431 at its limit, each head
+counted by its own bytes however they fall into reads."""
 
 from __future__ import annotations
 
 import contextlib
 import selectors
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -112,6 +115,139 @@ def test_a_head_without_end_is_answered_431_and_the_gateway_keeps_its_memory(ups
         rejected = {"outcome": "rejected", "code": "headers_too_large", "model": "unknown"}
         assert metric(gateway, "modalgate_requests_total", **rejected) == 1
         assert httpx.post(gateway.url + "/v1/chat/completions", json=chat()).status_code == 200
+    assert [r.path for r in toy.received if r.method == "POST"] == ["/v1/chat/completions"]
+
+
+def _chat_request(size: int, path: str = "/v1/chat/completions") -> bytes:
+    """A chat request of ``size`` bytes in all (its JSON padded with blanks), as bytes."""
+    head = f"POST {path} HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+    body = orjson.dumps(chat())
+    length_line = "content-length: %d\r\n\r\n"
+    body_size = size - len(head) - len(length_line % 0) - 2  # a length of 3 or 4 digits
+    body_size -= len(str(body_size)) - 1
+    request = (head + length_line % body_size).encode() + body.ljust(body_size)
+    return request
+
+
+def _answers(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
+    """(status, body) of the next ``count`` responses, each with a content-length."""
+    data, answers = b"", []
+    while len(answers) < count:
+        head, found, rest = data.partition(b"\r\n\r\n")
+        if found:
+            lines = head.split(b"\r\n")
+            length = next(
+                int(line.split(b":")[1])
+                for line in lines
+                if line.lower().startswith(b"content-length:")
+            )
+            if len(rest) >= length:
+                answers.append((int(lines[0].split()[1]), rest[:length]))
+                data = rest[length:]
+                continue
+        chunk = sock.recv(65536)
+        assert chunk, (answers, data)
+        data += chunk
+    return answers
+
+
+def test_the_header_limit_counts_each_head_not_each_read(upstream):
+    """A head over the limit sent in one write is refused; a small head sharing a read
+    with the body of the request before it is not taken for part of a long one."""
+    toy, base = upstream
+    with GatewayProcess("--upstream", base, "--max-header-bytes", "8192") as gateway:
+        toy.received.clear()
+        padding = "x-pad: " + "a" * 14 * 1024 + "\r\n"
+        big = _chat_request(16 * 1024).replace(b"host: t\r\n", f"host: t\r\n{padding}".encode())
+        with socket.create_connection(("127.0.0.1", gateway.port)) as sock:
+            sock.settimeout(10)
+            sock.sendall(big)  # one write: a head of over 14 KiB
+            ((status, body),) = _answers(sock, 1)
+        assert status == 431 and orjson.loads(body)["error"]["code"] == "headers_too_large"
+        first, second = _chat_request(10_300), _chat_request(400)
+        head_end = first.index(b"\r\n\r\n") + 4
+        with socket.create_connection(("127.0.0.1", gateway.port)) as sock:
+            sock.settimeout(10)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(first[:head_end])
+            time.sleep(0.1)
+            sock.sendall(first[head_end:] + second)  # a 10 KB body, then the next request
+            answers = _answers(sock, 2)
+        assert [status for status, _ in answers] == [200, 200]
+    assert [r.path for r in toy.received if r.method == "POST"] == ["/v1/chat/completions"] * 2
+
+
+def _dribble(sock: socket.socket, data: bytes, every_s: float) -> None:
+    with contextlib.suppress(OSError):  # answered and closed meanwhile
+        for at in range(len(data)):
+            sock.sendall(data[at : at + 1])
+            time.sleep(every_s)
+
+
+def _dribbled(port: int, start: bytes, rest: bytes, every_s: float) -> tuple[bytes, float]:
+    """``start`` at once, then ``rest`` a byte every ``every_s``: what came back, and
+    how long after the dribbling began the gateway closed the connection."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(start)
+        started = time.monotonic()
+        threading.Thread(target=_dribble, args=(sock, rest, every_s), daemon=True).start()
+        received = _until_all_closed([sock], 15)[id(sock)]
+    return received, time.monotonic() - started
+
+
+def _timed_out(received: bytes) -> str:
+    assert received.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), received[:200]
+    assert b"connection: close" in received.partition(b"\r\n\r\n")[0].split(b"\r\n")
+    error = orjson.loads(received.partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == "request_timeout" and error["type"] == "invalid_request_error"
+    return error["message"]
+
+
+def test_a_head_dribbled_without_a_pause_is_cut_at_its_deadline(upstream):
+    """A byte every 0.2 s: never silent for the client timeout (60 s), so only the
+    head's own deadline ends it."""
+    toy, base = upstream
+    with GatewayProcess("--upstream", base, "--client-header-timeout", "1") as gateway:
+        toy.received.clear()
+        received, waited = _dribbled(gateway.port, b"P", _chat_request(2000)[1:], 0.2)
+        assert _timed_out(received) == (
+            "the request line and headers did not arrive in full within 1 s"
+        )
+        assert 0.7 < waited < 4
+        line = gateway.wait_for_log(lambda r: r.get("event") == "client_timed_out")
+        assert (line["status"], line["code"]) == (408, "request_timeout")
+        rejected = {"outcome": "rejected", "code": "request_timeout", "model": "unknown"}
+        assert metric(gateway, "modalgate_requests_total", **rejected) == 1
+    assert not [r for r in toy.received if r.method == "POST"]
+
+
+def test_a_body_trickled_under_the_rate_is_cut_and_one_at_the_rate_is_not(upstream):
+    """MODALGATE_CLIENT_BODY_TIMEOUT_S=1 and MODALGATE_CLIENT_BODY_MIN_RATE=2000: a body
+    may take 1 s, and 1 s more for every 2,000 bytes that have come."""
+    toy, base = upstream
+    env = {"MODALGATE_CLIENT_BODY_TIMEOUT_S": "1", "MODALGATE_CLIENT_BODY_MIN_RATE": "2000"}
+    with GatewayProcess("--upstream", base, env=env) as gateway:
+        toy.received.clear()
+        request = _chat_request(3000)
+        head_end = request.index(b"\r\n\r\n") + 4
+        # 5 bytes a second: never silent, far under the rate.
+        received, waited = _dribbled(gateway.port, request[:head_end], request[head_end:], 0.2)
+        assert _timed_out(received) == (
+            "the request body did not arrive in time: 1 s, and 1 s more for every 2000 bytes"
+            " received"
+        )
+        assert 0.7 < waited < 4
+        # 3,000 bytes a second, for longer than 1 s in all: never cut off.
+        request = _chat_request(8000)
+        with socket.create_connection(("127.0.0.1", gateway.port)) as sock:
+            sock.settimeout(10)
+            started = time.monotonic()
+            for at in range(0, len(request), 600):
+                sock.sendall(request[at : at + 600])
+                time.sleep(0.2)
+            ((status, _),) = _answers(sock, 1)
+        assert status == 200 and time.monotonic() - started > 2
     assert [r.path for r in toy.received if r.method == "POST"] == ["/v1/chat/completions"]
 
 
