@@ -101,6 +101,7 @@ def _within(width: int, height: int, max_pixels: int | None) -> bool:
 
 _PNG_DEPTHS = {0: (1, 2, 4, 8, 16), 2: (8, 16), 3: (1, 2, 4, 8), 4: (8, 16), 6: (8, 16)}
 _PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
+_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"
 
 
 @dataclass(slots=True)
@@ -140,8 +141,8 @@ def _png_walk(data: bytes, frame_limit: int, max_pixels: int | None) -> tuple[Pn
         budget -= 1
         if budget < 0:
             raise _corrupt("PNG", over_budget("chunks", size))
-        if pos == size and idat_run:
-            break  # only IEND is missing: decoders (libpng, Pillow) finish such a file
+        if size - pos < 12 and idat_run and _IEND.startswith(data[pos:]):
+            break  # only IEND is missing, or cut: decoders (libpng, Pillow) finish such a file
         if pos + 12 > size:
             raise _truncated("PNG")
         length, kind = struct.unpack_from(">I4s", data, pos)
@@ -206,7 +207,7 @@ def _png_walk(data: bytes, frame_limit: int, max_pixels: int | None) -> tuple[Pn
             spans.append((body + 4, length - 4))
         pos = end
     assert layout is not None
-    if data.count(0, pos) != size - pos:
+    if data.count(0, pos) != size - pos and not (size - pos < 12 and _IEND.startswith(data[pos:])):
         raise _corrupt("PNG", "data follows the IEND chunk")
     if idat_total == 0:
         raise _corrupt("PNG", "no IDAT chunk")
