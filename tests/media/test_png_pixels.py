@@ -258,3 +258,20 @@ def test_a_check_error_is_a_value_error_with_safe_text():
     data = b"\x00" * 10 + packed
     with pytest.raises(PngPixelError, match=r"^the PNG image data is truncated"):
         check_stream(data, [(10, len(packed) - 20)], 8, 8, 24, False)
+
+
+def test_a_jpeg_with_a_marker_libjpeg_does_not_know_inside_its_scan_is_refused():
+    """torchvision's decoder raises "Unsupported marker type" (transformers serve: 500);
+    the scan was not searched before, as the file's only scan."""
+    image = Image.linear_gradient("L").resize((64, 64)).convert("RGB")
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG")
+    whole = buffer.getvalue()
+    assert validate(whole).accepted
+    hostile = bytearray(whole)
+    hostile[hostile.rindex(b"\xff\xd9") - 40 : hostile.rindex(b"\xff\xd9") - 38] = b"\xff\xa5"
+    verdict = validate(bytes(hostile))
+    assert not verdict.accepted
+    first = verdict.violations[0]
+    assert (first.code, first.param) == (ErrorCode.INVALID_IMAGE, URL)
+    assert first.message.endswith("the JPEG data is corrupt (an unknown marker 0xA5)")
