@@ -7,8 +7,9 @@ react badly: torchvision's decoder (which ``transformers serve`` loads images wi
 kills the whole process on them, at 32x32 as at 4000x3000. So every stream is
 inflated here, streamed and counted, never kept: it must hold at least the rows
 IHDR (or the frame's fcTL) promises, every row must start with a filter byte of
-0-4, and zlib must find no damage up to the stream's end or the data's (Pillow fails
-on a bad Adler-32 where the image is small). A few extra rows pass: libpng calls
+0-4, and the stream must end, with no damage up to its end: a stream without its
+final block or with a bad Adler-32 killed ``transformers serve`` however many rows
+it held (the real-server differential, ``tests/realserver``). A few extra rows pass: libpng calls
 "too much image data" benign, Pillow stops at the last row, and the real-server
 differential (``tests/realserver``) saw ``transformers serve`` answer 200 to them.
 
@@ -82,6 +83,8 @@ def check_stream(
         raise PngPixelError("the PNG image data is truncated (fewer rows than its header says)")
     if rows.seen > expected + EXTRA_ROW_BYTES:
         raise PngPixelError("the PNG image data is longer than its header says")
+    if not stream.eof:  # every row there, but no final block: libpng fails on it
+        raise PngPixelError("the PNG image data is truncated (its zlib stream does not end)")
 
 
 def _inflated(
