@@ -70,6 +70,8 @@ IN_PLACE_MIN_BYTES = 64 * 1024
 # A request body of a declared length up to this is handed to the app whole (the gate
 # reads up to the policy's max_body_bytes, 64 MiB by default, whole in any case).
 WHOLE_BODY_BYTES = 4 * 1024 * 1024
+# A piece of a read fed to llhttp up to this size is copied out: cheaper than a view.
+SMALL_PIECE_BYTES = 4096
 # The request line and headers together, at most (Envoy's default is 60 KiB; nginx's
 # large_client_header_buffers 32 KiB).
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024
@@ -93,7 +95,7 @@ logger = logging.getLogger("modalgate.protocol")
 # What the next bytes of a connection are: a head (or blank lines before one); the rest
 # of a whole body (read past llhttp), of a longer body of declared length, or of a
 # chunked one (both parsed by llhttp); or nothing to read (refused, closed, upgraded).
-_HEAD, _WHOLE, _LENGTH, _CHUNKED, _DONE = range(5)
+_HEAD, _CHUNKED, _WHOLE, _LENGTH, _DONE = range(5)  # in this order (``_parse``)
 _NEVER = math.inf
 
 
@@ -260,13 +262,19 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
 
     def _parse(self, data: bytes, pos: int) -> None:
         """``data`` from ``pos`` to llhttp, a piece at a time: each ends where a head or a
-        body ends (or may end), so each head is measured, and the next begins a piece."""
+        body ends (or may end), so each head is measured, and the next begins a piece.
+        Each piece is fed as uvicorn's ``data_received`` feeds a read."""
+        self._unset_keepalive_if_required()
         size = len(data)
         view = None
         while pos < size:
             phase = self._phase
-            if phase in (_HEAD, _CHUNKED):
-                end = self._block_end(data, pos)
+            if phase <= _CHUNKED:  # a head, or a chunked body: both end in CRLF CRLF
+                if self._tail:
+                    end = self._block_end(data, pos)
+                else:
+                    end = data.find(b"\r\n\r\n", pos)
+                    end = end + 4 if end >= 0 else -1
                 stop = size if end < 0 else end
                 if phase == _HEAD:
                     if self._head_bytes == 0:  # a request begins: its head's clock starts
@@ -276,10 +284,10 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
                     if self._head_bytes > self.max_header_bytes:
                         self._refuse_head()
                         return
-                if end >= 0:
-                    self._tail = b""
-                else:  # goes on in the next read: its last bytes may begin CRLF CRLF
+                if end < 0:  # goes on in the next read: its last bytes may begin CRLF CRLF
                     self._tail = data[-3:] if size - pos >= 3 else (self._tail + data[pos:])[-3:]
+                elif self._tail:
+                    self._tail = b""
             elif phase == _DONE:
                 return  # refused, timed out, closed after this request, or upgraded
             else:  # the part of a body of known length that this read holds
@@ -287,18 +295,33 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
                 if stop > size or stop <= pos:  # (llhttp ends an empty body by itself)
                     stop = size
             if pos == 0 and stop == size:
-                super().data_received(data)
+                piece: bytes | memoryview = data
+            elif stop - pos <= SMALL_PIECE_BYTES:
+                piece = data[pos:stop]
             else:
                 if view is None:
                     view = memoryview(data)
-                super().data_received(view[pos:stop])
+                piece = view[pos:stop]
+            try:
+                self.parser.feed_data(piece)
+            except httptools.HttpParserError:
+                message = "Invalid HTTP request received."
+                self.logger.warning(message)
+                self.send_400_response(message)
+                return
+            except httptools.HttpParserUpgrade:
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                    return
+                self._unsupported_upgrade_warning()
             pos = stop
         if self._phase == _WHOLE and self._body_left >= IN_PLACE_MIN_BYTES:
             self._read_body_in_place()
 
     def _block_end(self, data: bytes, pos: int) -> int:
-        """Where the first CRLF CRLF from ``pos`` ends (one begun in the last read
-        included), or -1. llhttp takes no other end of a head or a chunked body."""
+        """Where the first CRLF CRLF from ``pos`` ends, one begun in the last read
+        (``_tail``) included, or -1. llhttp takes no other end of a head or a chunked
+        body."""
         tail = self._tail
         if tail:
             at = (tail + data[pos : pos + 3]).find(b"\r\n\r\n")
