@@ -12,10 +12,18 @@ replaces only the values it means to, and writes every number back as sent.
 A big body's long data URL payloads can be read where they lie (``payloads_aside``):
 the parser then sees a short token in each one's place, and the base64 is decoded
 from the body's own bytes, without a Python string of it (or a slice of that).
+
+A parsed tree can take many times the bytes of its text: ``{}`` is 3 bytes and a
+64-byte dict (with its slot, 80 at the peak), so 30 MB of them took 760 MB. Before
+a big body is parsed, its values are counted from the characters that open them
+(``tree_problem``), each weighed at the most it was measured to take, and a body
+whose tree could take more than ``TREE_BYTES_PER_BODY_BYTE`` times its size (plus
+``TREE_ALLOWANCE_BYTES``) is refused before anything is built.
 """
 
 from __future__ import annotations
 
+import codecs
 import os
 import re
 from collections.abc import Iterable
@@ -39,17 +47,90 @@ ASIDE_MIN_PAYLOAD = 16 * 1024
 _BASE64_MARK = b";base64,"
 
 
+# The most a parsed value was measured to take, at the peak of its parse (CPython 3.11,
+# jiter 0.19, its duplicate-key set and lossless floats included), by the character
+# before it outside strings: ``{`` or ``[`` a container and its first value (``{}`` 80 B,
+# ``[1]`` 80, a one-key dict 209 with its ``:`` and ``,``), ``,`` the value after it (a
+# float 48, a lossless float 108, a new short string 72), ``:`` a key and its entry (a
+# new key in a growing dict, with jiter's duplicate-key set: 162).
+_OPEN_BYTES = 144
+_COMMA_BYTES = 112
+_COLON_BYTES = 176
+# A tree may take this many bytes per byte of its text, and this many more: the few MB
+# of any ordinary body (a long chat of short messages weighs ~18 bytes a byte).
+TREE_BYTES_PER_BODY_BYTE = 3
+TREE_ALLOWANCE_BYTES = 16 * 1024 * 1024
+# Below this a body's tree fits the allowance whatever it holds: not counted.
+_COUNTED_FROM = TREE_ALLOWANCE_BYTES // _COLON_BYTES
+_ONLY_OPENERS = bytes(sorted(set(range(256)) - set(b"{[,:")))
+_OPENERS_AND_QUOTES = bytes(sorted(set(range(256)) - set(b'{[,:"')))
+_STRING = re.compile(rb'"[^"]*"')  # in the openers and quotes: a string's, inside it
+
+
 def parse_json_body(body: bytes) -> Any | Violation:
-    """The parsed body, or the ``invalid_json`` violation that says what is wrong with it.
+    """The parsed body, or the ``invalid_json`` violation that says what is wrong with it
+    (``payload_too_large``: its tree could take too much memory, ``tree_problem``).
 
     A UTF-8 byte order mark is skipped, as the engines' own parsers (Python's
     ``json``) skip it; the body is still forwarded byte for byte.
     """
     text = body[3:] if body.startswith(_BOM) else body  # (``_without_bom``, without a call)
+    if len(text) > _COUNTED_FROM:
+        too_many = tree_problem(text)
+        if too_many is not None:
+            return too_many
     try:
         return jiter.from_json(text, allow_inf_nan=False, catch_duplicate_keys=True)
     except ValueError as exc:
         return _json_problem(body, str(exc))
+
+
+def tree_problem(text: bytes) -> Violation | None:
+    """Why ``text`` is not to be parsed, where its tree could take more memory than its
+    size allows; None where it may be.
+
+    The characters that open values are counted at C speed in two passes at most: all
+    of them (most bodies end here: base64 and prose hold few), then those outside
+    strings, found once escapes are dropped (a backslash pair, then an escaped quote:
+    what is left of a run of backslashes escapes the character after it). Strings in
+    JSON are separated by a ``,`` or ``:``, so a body of more strings than its
+    allowance has room for such separators is refused without looking inside them.
+    That second pass costs a few ns a byte; it holds at most two copies of the text.
+    """
+    allowed = TREE_BYTES_PER_BODY_BYTE * len(text) + TREE_ALLOWANCE_BYTES
+    openers = text.translate(None, _ONLY_OPENERS)
+    if _tree_bytes(openers) <= allowed:
+        return None
+    del openers
+    if b"\\" in text:
+        text = text.replace(b"\\", b"")
+    if b'"' in text:
+        text = text.replace(b'"', b"")
+    outside = text.translate(None, _OPENERS_AND_QUOTES)
+    del text
+    strings = outside.count(b'"') // 2
+    if (strings - 1) * _COMMA_BYTES <= allowed:
+        outside = _STRING.sub(b"", outside)
+        if _tree_bytes(outside) <= allowed:
+            return None
+    return _too_many_values(allowed)
+
+
+def _tree_bytes(openers: bytes) -> int:
+    return (
+        _OPEN_BYTES * (openers.count(b"{") + openers.count(b"["))
+        + _COMMA_BYTES * openers.count(b",")
+        + _COLON_BYTES * openers.count(b":")
+    )
+
+
+def _too_many_values(allowed: int) -> Violation:
+    return Violation(
+        ErrorCode.PAYLOAD_TOO_LARGE,
+        "the request body holds too many JSON values for its size: parsed, they could take"
+        f" more than {allowed} bytes of memory; send fewer, larger values (long strings"
+        " and base64 cost little)",
+    )
 
 
 def payloads_aside(body: bytes) -> tuple[bytes, dict[str, memoryview]]:
@@ -161,12 +242,26 @@ def _json_problem(body: bytes, reason: str) -> Violation:
             f"the request body repeats the key {shown!r} in one object (line {line}, column "
             f"{column}); servers disagree on which copy counts, so send each key once",
         )
-    try:
-        body.decode("utf-8")
-    except UnicodeDecodeError:
+    if not _is_utf8(body):
         return Violation(ErrorCode.INVALID_JSON, "the request body is not valid UTF-8")
-    if not body.strip():
+    if not body or body.isspace():
         return Violation(ErrorCode.INVALID_JSON, "the request body is empty")
     if "recursion limit" in reason:
         return Violation(ErrorCode.INVALID_JSON, "the request body is nested too deeply")
     return Violation(ErrorCode.INVALID_JSON, f"the request body is not valid JSON: {reason[:120]}")
+
+
+_UTF8_CHUNK = 1 << 20
+
+
+def _is_utf8(body: bytes) -> bool:
+    """Checked a MiB at a time: the whole body as one string could take 4 bytes a byte."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    view = memoryview(body)
+    try:
+        for start in range(0, len(body), _UTF8_CHUNK):
+            decoder.decode(view[start : start + _UTF8_CHUNK])
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    return True

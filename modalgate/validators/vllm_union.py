@@ -36,72 +36,6 @@ FieldShape = Literal[
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class Member:
-    """One typed dict of a content-part union."""
-
-    type: str | None  # its ``type`` literal; None: it declares no ``type``
-    type_required: bool
-    fields: Mapping[str, FieldShape]
-    required: frozenset[str] = frozenset()
-
-
-def _member(
-    type_: str | None,
-    required: dict[str, FieldShape],
-    optional: dict[str, FieldShape] | None = None,
-    *,
-    type_required: bool = True,
-) -> Member:
-    return Member(
-        type_,
-        type_required and type_ is not None,
-        MappingProxyType({**required, **(optional or {})}),
-        frozenset(required),
-    )
-
-
-_UUID: dict[str, FieldShape] = {"uuid": "str_or_null"}
-OPENAI_TEXT = _member("text", {"text": "str"})
-OPENAI_IMAGE = _member("image_url", {"image_url": "image_url_object"})
-OPENAI_AUDIO = _member("input_audio", {"input_audio": "audio_object"})
-OPENAI_FILE = _member("file", {"file": "file_object"})
-OPENAI_REFUSAL = _member("refusal", {"refusal": "str"})
-VLLM_PART_UNION: tuple[Member, ...] = (
-    OPENAI_TEXT,
-    OPENAI_IMAGE,
-    OPENAI_AUDIO,
-    OPENAI_FILE,
-    _member("audio_url", {"audio_url": "url_object"}),
-    _member("video_url", {"video_url": "url_object"}),
-    OPENAI_REFUSAL,
-    _member(None, {}, {"image_pil": "null", **_UUID}),
-    _member(None, {}, {"image_url": "str_or_null", **_UUID}),
-    _member("image_embeds", {}, {"image_embeds": "embeds_or_null", **_UUID}),
-    _member("audio_embeds", {}, {"audio_embeds": "embeds_or_null", **_UUID}),
-    _member(
-        "video_embeds",
-        {},
-        {"video_embeds": "embeds_or_null", "audio_embeds": "embeds_or_null", **_UUID},
-    ),
-    _member("prompt_embeds", {"data": "str"}),
-    _member(None, {}, {"audio_url": "str_or_null"}),
-    _member(None, {}, {"video_url": "str_or_null", **_UUID}),
-    _member("tool_reference", {}, {"name": "str"}, type_required=False),
-    _member("thinking", {"thinking": "str"}, {"closed": "bool"}),
-)
-# OpenAI's message types, by role: the part types each takes (vLLM's fallback reading).
-OPENAI_MESSAGE_PARTS: Mapping[str, tuple[Member, ...]] = MappingProxyType(
-    {
-        "user": (OPENAI_TEXT, OPENAI_IMAGE, OPENAI_AUDIO, OPENAI_FILE),
-        "system": (OPENAI_TEXT,),
-        "developer": (OPENAI_TEXT,),
-        "tool": (OPENAI_TEXT,),
-        "assistant": (OPENAI_TEXT, OPENAI_REFUSAL),
-    }
-)
-
-
 def _url_object(value: object) -> bool:
     return isinstance(value, dict) and isinstance(value.get("url"), str)
 
@@ -156,23 +90,135 @@ _SHAPE_OK: Mapping[FieldShape, Callable[[object], bool]] = MappingProxyType(
 )
 
 
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One typed dict of a content-part union."""
+
+    type: str | None  # its ``type`` literal; None: it declares no ``type``
+    type_required: bool
+    fields: Mapping[str, FieldShape]
+    required: frozenset[str] = frozenset()
+    # (field, its shape's predicate) for each field: what ``fields_matched`` runs.
+    checks: tuple[tuple[str, Callable[[object], bool]], ...] = ()
+
+
+def _member(
+    type_: str | None,
+    required: dict[str, FieldShape],
+    optional: dict[str, FieldShape] | None = None,
+    *,
+    type_required: bool = True,
+) -> Member:
+    fields = {**required, **(optional or {})}
+    return Member(
+        type_,
+        type_required and type_ is not None,
+        MappingProxyType(fields),
+        frozenset(required),
+        tuple((key, _SHAPE_OK[shape]) for key, shape in fields.items()),
+    )
+
+
+_UUID: dict[str, FieldShape] = {"uuid": "str_or_null"}
+OPENAI_TEXT = _member("text", {"text": "str"})
+OPENAI_IMAGE = _member("image_url", {"image_url": "image_url_object"})
+OPENAI_AUDIO = _member("input_audio", {"input_audio": "audio_object"})
+OPENAI_FILE = _member("file", {"file": "file_object"})
+OPENAI_REFUSAL = _member("refusal", {"refusal": "str"})
+VLLM_PART_UNION: tuple[Member, ...] = (
+    OPENAI_TEXT,
+    OPENAI_IMAGE,
+    OPENAI_AUDIO,
+    OPENAI_FILE,
+    _member("audio_url", {"audio_url": "url_object"}),
+    _member("video_url", {"video_url": "url_object"}),
+    OPENAI_REFUSAL,
+    _member(None, {}, {"image_pil": "null", **_UUID}),
+    _member(None, {}, {"image_url": "str_or_null", **_UUID}),
+    _member("image_embeds", {}, {"image_embeds": "embeds_or_null", **_UUID}),
+    _member("audio_embeds", {}, {"audio_embeds": "embeds_or_null", **_UUID}),
+    _member(
+        "video_embeds",
+        {},
+        {"video_embeds": "embeds_or_null", "audio_embeds": "embeds_or_null", **_UUID},
+    ),
+    _member("prompt_embeds", {"data": "str"}),
+    _member(None, {}, {"audio_url": "str_or_null"}),
+    _member(None, {}, {"video_url": "str_or_null", **_UUID}),
+    _member("tool_reference", {}, {"name": "str"}, type_required=False),
+    _member("thinking", {"thinking": "str"}, {"closed": "bool"}),
+)
+# OpenAI's message types, by role: the part types each takes (vLLM's fallback reading).
+OPENAI_MESSAGE_PARTS: Mapping[str, tuple[Member, ...]] = MappingProxyType(
+    {
+        "user": (OPENAI_TEXT, OPENAI_IMAGE, OPENAI_AUDIO, OPENAI_FILE),
+        "system": (OPENAI_TEXT,),
+        "developer": (OPENAI_TEXT,),
+        "tool": (OPENAI_TEXT,),
+        "assistant": (OPENAI_TEXT, OPENAI_REFUSAL),
+    }
+)
+
+
 def fields_matched(part: object, member: Member) -> int | None:
     """How many of ``member``'s fields ``part`` sets, or None when it does not validate."""
     if not isinstance(part, dict):
         return None
-    declared = part.get("type", None) if "type" in part else None
     if member.type is None:
         pass  # extra keys, ``type`` included, are allowed and ignored
     elif "type" in part:
-        if declared != member.type:
+        if part["type"] != member.type:
             return None
     elif member.type_required:
         return None
-    if any(key not in part for key in member.required):
+    for key in member.required:
+        if key not in part:
+            return None
+    matched = 0
+    for key, shape_ok in member.checks:
+        if key in part:
+            if not shape_ok(part[key]):
+                return None
+            matched += 1
+    return matched + (member.type is not None and "type" in part)
+
+
+@dataclass(frozen=True, slots=True)
+class _Union:
+    """A union's members by the ``type`` a part may declare. A part is tried against the
+    members its ``type`` can match (that type's, then those declaring none), never
+    against every member: a vLLM message of 10,000 typeless parts costs 10,000 reads of
+    a few members each, not of all 17."""
+
+    by_type: Mapping[str, tuple[Member, ...]]  # members with that ``type``, and the typeless
+    without_type: tuple[Member, ...]  # members a part without ``type`` may match
+    any_type: tuple[Member, ...]  # the typeless: for a ``type`` no member declares
+    # The fields of each of those two groups, where no member in it requires one: a part
+    # with none of them is taken with no field set (the common refusal, at one test).
+    without_type_fields: frozenset[str] | None
+    any_type_fields: frozenset[str] | None
+
+
+def _indexed(union: tuple[Member, ...]) -> _Union:
+    typeless = tuple(m for m in union if m.type is None)
+    typed: dict[str, tuple[Member, ...]] = {}
+    for member in union:
+        if member.type is not None:
+            typed[member.type] = (*typed.get(member.type, ()), member)
+    without_type = tuple(m for m in union if m.type is not None and not m.type_required) + typeless
+    return _Union(
+        MappingProxyType({name: (*own, *typeless) for name, own in typed.items()}),
+        without_type,
+        typeless,
+        _optional_fields(without_type),
+        _optional_fields(typeless),
+    )
+
+
+def _optional_fields(members: tuple[Member, ...]) -> frozenset[str] | None:
+    if not members or any(m.required for m in members):
         return None
-    if any(key in part and not _SHAPE_OK[shape](part[key]) for key, shape in member.fields.items()):
-        return None
-    return sum(key in part for key in member.fields) + (member.type is not None and "type" in part)
+    return frozenset(key for m in members for key in m.fields)
 
 
 def best_match(part: object, union: tuple[Member, ...]) -> int | None:
@@ -183,20 +229,62 @@ def best_match(part: object, union: tuple[Member, ...]) -> int | None:
     return max(found) if found else None
 
 
+def _taken(part: object, union: _Union) -> bool | None:
+    """Whether a member of ``union`` takes ``part`` with at least one of its fields set
+    (``best_match(...) > 0``: True), only with none set (False), or not at all (None);
+    each candidate tried once, and the first with a field set ends the search."""
+    if isinstance(part, str):
+        return False
+    if not isinstance(part, dict):
+        return None
+    if "type" not in part:
+        candidates, fields = union.without_type, union.without_type_fields
+    else:
+        declared = part["type"]
+        named = union.by_type.get(declared) if type(declared) is str else None
+        if named is None:
+            candidates, fields = union.any_type, union.any_type_fields
+        else:
+            candidates, fields = named, None
+    if fields is not None and fields.isdisjoint(part):
+        return False
+    taken = None
+    for member in candidates:
+        matched = fields_matched(part, member)
+        if matched:
+            return True
+        if matched is not None:
+            taken = False
+    return taken
+
+
 MessagePath = Literal["own", "openai", "refused"]
 
 
 def message_path(role: str, parts: list[object]) -> tuple[MessagePath, int | None]:
     """Which of vLLM's readings a message with list content gets, and on refusal the
     index of the first part to blame."""
-    matched = [best_match(part, VLLM_PART_UNION) for part in parts]
-    if all(n is not None for n in matched) and (any(matched) or role not in OPENAI_MESSAGE_PARTS):
-        return "own", None
-    fallback = OPENAI_MESSAGE_PARTS.get(role)
-    if fallback is None:
-        bad = next(i for i, n in enumerate(matched) if n is None)
-        return "refused", bad
+    any_field = False
     for index, part in enumerate(parts):
-        if isinstance(part, str) or best_match(part, fallback) is None:
+        taken = _taken(part, _VLLM_PARTS)
+        if taken is None:
+            first_untaken = index
+            break
+        any_field = any_field or taken
+    else:
+        if any_field or role not in OPENAI_MESSAGE_PARTS:
+            return "own", None
+        first_untaken = None
+    fallback = _OPENAI_PARTS.get(role)
+    if fallback is None:
+        return "refused", first_untaken
+    for index, part in enumerate(parts):
+        if isinstance(part, str) or _taken(part, fallback) is None:
             return "refused", index
     return "openai", None
+
+
+_VLLM_PARTS = _indexed(VLLM_PART_UNION)
+_OPENAI_PARTS = MappingProxyType(
+    {role: _indexed(union) for role, union in OPENAI_MESSAGE_PARTS.items()}
+)

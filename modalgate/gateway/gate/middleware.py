@@ -47,6 +47,12 @@ THREAD_THRESHOLD_BYTES = 256 * 1024
 # Where the policy decodes images fully (verify_image_data: ~10-60 ms per megapixel), any
 # body that can hold an image goes to a thread.
 VERIFY_THREAD_THRESHOLD_BYTES = 4 * 1024
+# The walk costs per value it reads (a message, a content part: up to ~10 us for a media
+# part), not per byte: a small body of many values goes to a thread too. Values in arrays
+# and objects are separated by commas, so a body of at most this many, or of at most
+# INLINE_ANY_SHAPE_BYTES (where the count would cost more than it saves), stays inline.
+INLINE_MAX_COMMAS = 256
+INLINE_ANY_SHAPE_BYTES = 1024
 VERDICT_STATE_KEY = "modalgate_verdict"
 ROUTED_TO_HEADER = b"x-modalgate-routed-to"  # set when a fallback chose another model
 T = TypeVar("T")
@@ -128,6 +134,9 @@ class ModalGate:
             inline_below=self.thread_threshold,
         )
         self.strict_decider = replace(self.decider, enforce=True)
+        # For a small body of many values: every step in the threads, whatever its size.
+        self.threaded_decider = replace(self.decider, run_cpu=self.run_in_threads)
+        self.strict_threaded_decider = replace(self.threaded_decider, enforce=True)
         self.read_cap = read_cap = max(
             [policy.limits.max_body_bytes]
             + [
@@ -193,14 +202,17 @@ class ModalGate:
             return
         verdict = None
         if len(body) < decider.inline_below:
-            verdict = validate_body(body, decider.matcher, api, decider.served, decider.dialect)
-            if not verdict.violations and not verdict.parts:  # accepted, text only
-                if self.on_outcome is not None:
-                    self._report(decider, verdict, len(body), scope["path"], started)
-                scope.setdefault("state", {})[VERDICT_STATE_KEY] = verdict
-                # The body in one message: the very one received, where it came in one.
-                await self.app(scope, partial(_replay, [message], receive), send)
-                return
+            if len(body) > INLINE_ANY_SHAPE_BYTES and body.count(b",") > INLINE_MAX_COMMAS:
+                decider = self.strict_threaded_decider if strict else self.threaded_decider
+            else:
+                verdict = validate_body(body, decider.matcher, api, decider.served, decider.dialect)
+                if not verdict.violations and not verdict.parts:  # accepted, text only
+                    if self.on_outcome is not None:
+                        self._report(decider, verdict, len(body), scope["path"], started)
+                    scope.setdefault("state", {})[VERDICT_STATE_KEY] = verdict
+                    # The body in one message: the very one received, where it came in one.
+                    await self.app(scope, partial(_replay, [message], receive), send)
+                    return
         await self._decide(scope, receive, send, api, decider, body, verdict, started)
 
     def _routed(self, scope: Scope) -> tuple[Scope, tuple[Api, bool, object] | None]:
@@ -337,6 +349,10 @@ class ModalGate:
         """Small work inline; big work in one of the gate's own threads (``cpu_threads``)."""
         if size < self.thread_threshold:
             return function(*args)
+        return await self.run_in_threads(size, function, *args)
+
+    async def run_in_threads(self, size: int, function: Callable[..., T], *args: object) -> T:
+        """Work in one of the gate's own threads, whatever its size."""
         if self._threads is None:
             self._threads = CpuThreads(self.validation_threads)
         return await self._threads.run(function, *args)
