@@ -377,7 +377,7 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
         if self._head_bytes == 0:
             # A request ended inside the piece fed and another began (pieces end where
             # requests do, so llhttp and this framing disagree): where it began is not
-            # known, so neither is its size. llhttp's refusal: uvicorn answers 400.
+            # known, so neither is its size: answered 400, as bytes llhttp refuses are.
             raise httptools.HttpParserError("a request began where none could")
         super().on_message_begin()
 
