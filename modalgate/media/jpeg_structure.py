@@ -134,7 +134,7 @@ def walk_jpeg(data: bytes, max_pixels: int | None = None) -> None:
         if marker in (0x00, 0xD8):
             raise _corrupt("a misplaced marker")
         if marker not in _KNOWN:
-            raise _corrupt(f"an unknown marker 0x{marker:02X}")
+            raise _corrupt(f"a marker decoders do not know (FF{marker:02X})")
         end = pos + int.from_bytes(data[pos : pos + 2], "big")
         if end < pos + 2 or pos + 2 > size:
             raise _truncated() if pos + 2 > size else _corrupt("a bad segment length")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import io
 import subprocess
 import sys
@@ -201,9 +202,15 @@ def test_dict_form_carries_the_grid_and_the_dtype(checkpoint):
 
 
 def test_a_bad_image_among_good_ones_is_named_and_nothing_is_rewritten(checkpoint):
-    broken = png_bomb(40, 40)  # a valid header (passes the gate), pixel data cut short
-    original = request_with(image(PNG), text("x"), image(broken), image(JPEG, "image/jpeg"))
+    # The gate now refuses this PNG itself (its pixel data is cut short); the encoder's
+    # own decode must still name it, should bytes the walk passes fail there: the bytes
+    # are swapped in after the verdict, as a decoder the walk does not model would see them.
+    broken = png_bomb(40, 40)
+    original = request_with(image(PNG), text("x"), image(PNG), image(JPEG, "image/jpeg"))
     verdict = verdict_for(copy.deepcopy(original))
+    parts = list(verdict.parts)
+    parts[1] = dataclasses.replace(parts[1], data=broken)
+    verdict = dataclasses.replace(verdict, parts=tuple(parts))
 
     embedded = rewrite(checkpoint, verdict, EmbedsSpec())
     violations = embedded.violations
