@@ -6,6 +6,16 @@ from modalgate.errors import ErrorCode, Violation
 from modalgate.policy.matching import ResolvedRule
 from modalgate.validators.verdict import PartDraft, VerdictBuilder
 
+# Media of one modality kept past its count limit before the walk stops: the request is
+# refused for the count whatever follows, and each part read costs ~10 us (80,000 image
+# strings in a 244 KiB /generate body took 0.9 s to read, keep and count).
+COUNT_MARGIN = 64
+
+
+class CountExceeded(Exception):
+    """``admit`` kept ``COUNT_MARGIN`` more media of a modality than its limit: the walk
+    ends (``validators.request`` catches it) and the count refuses the request."""
+
 
 def admit(part: PartDraft, rule: ResolvedRule, verdict: VerdictBuilder) -> None:
     """Keep a media part for the content checks, or refuse it for its modality or role."""
@@ -24,6 +34,14 @@ def admit(part: PartDraft, rule: ResolvedRule, verdict: VerdictBuilder) -> None:
         )
     else:
         verdict.parts.append(part)
+        limit = rule.limits.max_count(part.modality)
+        if limit is not None:
+            counts = verdict.counts
+            if counts is None:
+                counts = verdict.counts = {}
+            kept = counts[part.modality] = counts.get(part.modality, 0) + 1
+            if kept > limit + COUNT_MARGIN:
+                raise CountExceeded
 
 
 def unsupported(part: PartDraft, rule: ResolvedRule, verdict: VerdictBuilder) -> Violation:

@@ -14,9 +14,10 @@ as base64 and refused if it is not.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
-from modalgate.errors import path
+from modalgate.errors import MAX_LISTED_VIOLATIONS, path
 from modalgate.policy.matching import ResolvedRule
 from modalgate.validators.admission import admit, invalid
 from modalgate.validators.parts import with_url
@@ -34,6 +35,8 @@ def walk_completions(request: dict[str, Any], rule: ResolvedRule, verdict: Verdi
         return
     items = embeds if isinstance(embeds, list) else [embeds]
     for index, item in enumerate(items):
+        if len(verdict.violations) >= MAX_LISTED_VIOLATIONS:
+            return
         where = path("prompt_embeds", index) if isinstance(embeds, list) else "prompt_embeds"
         if not isinstance(item, str):
             verdict.violations.append(invalid("must be a base64 string", where))
@@ -53,6 +56,8 @@ def walk_pooling_input(
     for index, item in enumerate(items):
         if not isinstance(item, dict):
             continue  # text or token ids
+        if len(verdict.violations) >= MAX_LISTED_VIOLATIONS:
+            return
         where = path("input", index)
         if not _POOLING_ITEM_KEYS.issuperset(item):
             verdict.violations.append(
@@ -76,6 +81,8 @@ def walk_generate(request: dict[str, Any], rule: ResolvedRule, verdict: VerdictB
         if value is None:
             continue
         for where, item in _flattened(value, field):
+            if len(verdict.violations) >= MAX_LISTED_VIOLATIONS:
+                return
             if isinstance(item, str):
                 _media_string(item, where, modality, field, rule, verdict)
             elif item is not None:
@@ -90,16 +97,17 @@ def walk_generate(request: dict[str, Any], rule: ResolvedRule, verdict: VerdictB
         _embeddings("input_embeds", "input_embeds", rule, verdict)
 
 
-def _flattened(value: Any, field: str) -> list[tuple[str, Any]]:
+def _flattened(value: Any, field: str) -> Iterator[tuple[str, Any]]:
+    """Each item with its param, made as the walk reaches it (it may stop early)."""
     if not isinstance(value, list):
-        return [(field, value)]
-    items: list[tuple[str, Any]] = []
+        yield field, value
+        return
     for i, item in enumerate(value):
         if isinstance(item, list):
-            items += [(path(field, i, j), inner) for j, inner in enumerate(item)]
+            for j, inner in enumerate(item):
+                yield path(field, i, j), inner
         else:
-            items.append((path(field, i), item))
-    return items
+            yield path(field, i), item
 
 
 def _media_string(

@@ -75,6 +75,8 @@ def walk_message(
             continue
         if form == "text_or_parts" and isinstance(reasoning, list):  # judged as content
             for j, part in enumerate(reasoning):
+                if len(violations) >= MAX_LISTED_VIOLATIONS:
+                    return
                 read_content_part(part, path(where, key, j), role, rule, verdict, dialect)
         elif (
             form == "text_or_embeds_part"

@@ -24,7 +24,7 @@ from modalgate.errors import (
     payload_too_large,
 )
 from modalgate.policy.matching import ResolvedRule, RuleMatcher
-from modalgate.validators.admission import invalid
+from modalgate.validators.admission import COUNT_MARGIN, CountExceeded, invalid
 from modalgate.validators.dialects import (
     OPENAI,
     Dialect,
@@ -212,18 +212,21 @@ def validate_request(
     if api == "chat" and _plain_chat(request, reader):
         return accepted(matcher.mode, named, rule, request, api, judged_as, body_size or 0)
     verdict = VerdictBuilder(matcher.mode, named, request, api, body_size or 0, rule, judged_as)
-    if api == "responses":
-        _walk_input(request.get("input"), rule, verdict)
-    elif api == "chat" or request.get("messages") is not None:
-        messages = request.get("messages")
-        if not isinstance(messages, list) or not (messages or reader.empty_messages):
-            problem = "is required" if messages is None else "must be a non-empty array"
-            verdict.violations.append(invalid(f"'messages' {problem}", "messages"))
-            return verdict.build()
-        check_mm_kwargs(request, reader, verdict)
-        walk_messages(messages, rule, verdict, reader)
-    if api in _OTHER_WALKS:
-        _OTHER_WALKS[api](request, rule, verdict)
+    try:
+        if api == "responses":
+            _walk_input(request.get("input"), rule, verdict)
+        elif api == "chat" or request.get("messages") is not None:
+            messages = request.get("messages")
+            if not isinstance(messages, list) or not (messages or reader.empty_messages):
+                problem = "is required" if messages is None else "must be a non-empty array"
+                verdict.violations.append(invalid(f"'messages' {problem}", "messages"))
+                return verdict.build()
+            check_mm_kwargs(request, reader, verdict)
+            walk_messages(messages, rule, verdict, reader)
+        if api in _OTHER_WALKS:
+            _OTHER_WALKS[api](request, rule, verdict)
+    except CountExceeded:
+        pass  # the walk stopped past a count limit: refused for it below
     if verdict.violations or not verdict.parts:
         return verdict.build()  # refused, or text only: nothing more to check
     if not reader.mixes_raw_and_embeds:
@@ -424,11 +427,13 @@ def _check_counts(rule: ResolvedRule, verdict: VerdictBuilder) -> None:
         limit = rule.limits.max_count(part.modality)
         if limit is not None and count == limit + 1:
             total = sum(1 for p in verdict.parts if p.modality == part.modality)
+            # Past the margin the walk stopped (``admission.CountExceeded``): more followed.
+            sent = total if total <= limit + COUNT_MARGIN else f"more than {limit + COUNT_MARGIN}"
             name = _NAMES[part.modality]
             verdict.violations.append(
                 Violation(
                     ErrorCode.TOO_MANY_MEDIA,
-                    f"{part.param}: too many {name}: {total} sent, at most {limit} allowed"
+                    f"{part.param}: too many {name}: {sent} sent, at most {limit} allowed"
                     f" for {(verdict.model or 'this model')[:100]}",
                     part.param,
                 )

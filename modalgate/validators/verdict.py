@@ -220,6 +220,8 @@ class VerdictBuilder:
     violations: list[Violation] = field(init=False, default_factory=list)
     parts: list[PartDraft] = field(init=False, default_factory=list)
     unsupported: set[str] = field(init=False, default_factory=set)
+    # Media kept, by modality, where the rule limits their count (``admission.admit``).
+    counts: dict[str, int] | None = field(init=False, default=None)
 
     def build(self) -> Verdict:
         verdict = _OpenVerdict()

@@ -31,6 +31,7 @@ from modalgate.errors import MAX_LISTED_VIOLATIONS, STATUS, ErrorCode, error_bod
 from modalgate.policy import RuleMatcher, load_policy, parse_policy
 from modalgate.settings import EngineSpec
 from modalgate.validators import Verdict, validate_body, validate_request
+from modalgate.validators.admission import COUNT_MARGIN
 from modalgate.validators.dialects import OPENAI, Dialect, dialect_for
 
 P0 = "messages.[0].content.[0]"  # the first part of the first message
@@ -559,8 +560,25 @@ def test_ten_thousand_images_are_too_many(encoder_matcher):
         "messages.[0].content.[16]",
     )
     assert len(verdict.violations) <= MAX_LISTED_VIOLATIONS
-    assert "10000" in verdict.violations[0].message
+    # The walk stops COUNT_MARGIN images past the limit: the rest are never read.
+    assert len(verdict.parts) == 16 + COUNT_MARGIN + 1
+    assert verdict.violations[0].message == (
+        "messages.[0].content.[16]: too many images: more than 80 sent,"
+        " at most 16 allowed for kimi-k3"
+    )
     assert all(part.data is None for part in verdict.parts)  # nothing was decoded
+
+
+def test_a_count_within_the_margin_is_told_exactly(encoder_matcher):
+    verdict = check(
+        chat(*[image_part(data_url(PNG))] * (16 + COUNT_MARGIN)),
+        encoder_matcher,
+        ErrorCode.TOO_MANY_MEDIA,
+        "messages.[0].content.[16]",
+    )
+    assert verdict.violations[0].message == (
+        "messages.[0].content.[16]: too many images: 80 sent, at most 16 allowed for kimi-k3"
+    )
 
 
 def test_ten_thousand_refused_parts_list_at_most_the_cap(encoder_matcher):
