@@ -80,8 +80,9 @@ class Limits(_Strict):
 class TokenSpec(_Strict):
     """How the model's processor turns an image into vision tokens (used for budgets).
 
-    ``family`` names the estimator: ``kimi_navit``, ``qwen_smart_resize`` and
-    ``fixed`` have one; other families are recorded facts without budgets.
+    ``family`` names the estimator (``validators.tokens.ESTIMATORS``: kimi_navit,
+    qwen_smart_resize, fixed, glm4v, llama4_tiles, pixtral, phi4mm, internvl_tiles,
+    openai_tiles); a family without one is a recorded fact without a budget.
     """
 
     family: str

@@ -72,9 +72,19 @@ def test_fixed_family_counts_per_image(matcher):
     assert [p.tokens for p in verdict.parts] == [256, 256]
 
 
-def test_families_without_estimator_carry_no_count(matcher):
-    verdict = verdict_for(matcher, (640, 480), model="meta-llama/Llama-4-Scout-17B-16E-Instruct")
+def test_families_without_estimator_carry_no_count():
+    text = "models:\n  - {name: m, match: [m], accepts: [image], tokens: {family: someday}}\n"
+    matcher = RuleMatcher(parse_policy(text, fmt="yaml"))
+    verdict = verdict_for(matcher, (640, 480), model="m")
     assert verdict.accepted and verdict.parts[0].tokens is None
+
+
+def test_llama4_counts_its_tiles(matcher):
+    """640x480 on 336 tiles: 2x2 tiles plus the global one, 144 tokens each, plus the
+    separator tokens: 727 (tests/validators/test_family_processors.py checks the
+    estimator against Llama4Processor itself)."""
+    verdict = verdict_for(matcher, (640, 480), model="meta-llama/Llama-4-Scout-17B-16E-Instruct")
+    assert verdict.accepted and verdict.parts[0].tokens == 727
 
 
 def test_fixed_family_needs_a_count():

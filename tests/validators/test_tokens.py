@@ -244,7 +244,17 @@ def test_fixed() -> None:
 
 
 def test_estimators_registry() -> None:
-    assert set(ESTIMATORS) == {"kimi_navit", "qwen_smart_resize", "fixed"}
-    assert estimate_tokens(100, 100, TokenSpec(family="llama4_tiles", tile_size=336)) is None
+    assert set(ESTIMATORS) == {
+        "kimi_navit",
+        "qwen_smart_resize",
+        "fixed",
+        "glm4v",
+        "llama4_tiles",
+        "pixtral",
+        "phi4mm",
+        "internvl_tiles",
+        "openai_tiles",
+    }
+    assert estimate_tokens(100, 100, TokenSpec(family="someday", tile_size=336)) is None
     assert estimate_tokens(100, 100, KIMI_K3) == kimi_navit_tokens(100, 100, KIMI_K3)
     assert TokenEstimateError.__mro__[1] is ValueError
