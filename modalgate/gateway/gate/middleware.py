@@ -31,6 +31,7 @@ from modalgate.gateway.gate.pipeline import Decider
 from modalgate.gateway.gate.remote_media import MediaStage
 from modalgate.gateway.gate.send import send_error
 from modalgate.gateway.gate.shadow import SHADOW_HEADER, shadow_header
+from modalgate.media.inline_work import InlineWorkExceeded, run_within
 from modalgate.policy import Policy, RuleMatcher, load_policy
 from modalgate.policy.endpoints import EndpointTable
 from modalgate.validators import Verdict, validate_body
@@ -53,6 +54,9 @@ VERIFY_THREAD_THRESHOLD_BYTES = 4 * 1024
 # INLINE_ANY_SHAPE_BYTES (where the count would cost more than it saves), stays inline.
 INLINE_MAX_COMMAS = 256
 INLINE_ANY_SHAPE_BYTES = 1024
+# A PNG in a data URL starts so (its signature in base64); a JSON escape (``\u0069``)
+# could spell it otherwise, so a body with a backslash is treated alike.
+_MAY_HOLD_PNG = b"iVBORw0KGg"
 VERDICT_STATE_KEY = "modalgate_verdict"
 ROUTED_TO_HEADER = b"x-modalgate-routed-to"  # set when a fallback chose another model
 T = TypeVar("T")
@@ -204,15 +208,24 @@ class ModalGate:
         if len(body) < decider.inline_below:
             if len(body) > INLINE_ANY_SHAPE_BYTES and body.count(b",") > INLINE_MAX_COMMAS:
                 decider = self.strict_threaded_decider if strict else self.threaded_decider
+            elif _MAY_HOLD_PNG in body or b"\\" in body:
+                # A PNG's pixel data is inflated: its cost is its declared size, not the
+                # body's (``inline_work``); too much of it and the body goes to a thread.
+                verdict = run_within(
+                    validate_body, body, decider.matcher, api, decider.served, decider.dialect
+                )
+                if isinstance(verdict, InlineWorkExceeded):
+                    verdict = None
+                    decider = self.strict_threaded_decider if strict else self.threaded_decider
             else:
                 verdict = validate_body(body, decider.matcher, api, decider.served, decider.dialect)
-                if not verdict.violations and not verdict.parts:  # accepted, text only
-                    if self.on_outcome is not None:
-                        self._report(decider, verdict, len(body), scope["path"], started)
-                    scope.setdefault("state", {})[VERDICT_STATE_KEY] = verdict
-                    # The body in one message: the very one received, where it came in one.
-                    await self.app(scope, partial(_replay, [message], receive), send)
-                    return
+            if verdict is not None and not verdict.violations and not verdict.parts:  # text only
+                if self.on_outcome is not None:
+                    self._report(decider, verdict, len(body), scope["path"], started)
+                scope.setdefault("state", {})[VERDICT_STATE_KEY] = verdict
+                # The body in one message: the very one received, where it came in one.
+                await self.app(scope, partial(_replay, [message], receive), send)
+                return
         await self._decide(scope, receive, send, api, decider, body, verdict, started)
 
     def _routed(self, scope: Scope) -> tuple[Scope, tuple[Api, bool, object] | None]:
@@ -348,7 +361,9 @@ class ModalGate:
     async def run_cpu(self, size: int, function: Callable[..., T], *args: object) -> T:
         """Small work inline; big work in one of the gate's own threads (``cpu_threads``)."""
         if size < self.thread_threshold:
-            return function(*args)
+            result = run_within(function, *args)
+            if not isinstance(result, InlineWorkExceeded):
+                return result
         return await self.run_in_threads(size, function, *args)
 
     async def run_in_threads(self, size: int, function: Callable[..., T], *args: object) -> T:

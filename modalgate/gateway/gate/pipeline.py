@@ -10,24 +10,15 @@ In shadow mode (``shadow.py``) a refusal the policy covers goes on anyway, repor
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
 
 from modalgate.errors import Violation
-from modalgate.gateway.gate.remote_media import MediaStage
+from modalgate.gateway.gate.remote_media import MediaStage, RunCpu, run_inline
 from modalgate.gateway.gate.shadow import enforced, in_shadow_mode, lenient_matcher, may_shadow
 from modalgate.policy import RuleMatcher
 from modalgate.validators import Verdict, validate_body, with_fallback
 from modalgate.validators.json_body import Location, rewrite_json_body
 from modalgate.validators.request import Api, DialectOf, ServedModel
-
-T = TypeVar("T")
-RunCpu = Callable[..., Awaitable[Any]]  # (size, function, *args) -> function(*args)
-
-
-async def run_inline(size: int, function: Callable[..., T], *args: object) -> T:
-    return function(*args)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +95,7 @@ class Decider:
         """``verdict`` once its remote media are fetched and checked, and the edits that
         inline them where the request goes on (accepted, or shadowed)."""
         assert self.media is not None
-        verdict = await self.media.fetch(verdict)
+        verdict = await self.media.fetch(verdict, self.run_cpu)
         goes_on = verdict.accepted or (shadow and not enforced(verdict.violations))
         if not goes_on or not self.media.inline:
             return verdict, []

@@ -8,6 +8,9 @@ URL so the model server never downloads it a second time.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
 import anyio
 
 from modalgate.errors import ErrorCode, Violation
@@ -16,15 +19,25 @@ from modalgate.policy.models import MediaUrls
 from modalgate.validators import Verdict, check_fetched
 from modalgate.validators.json_body import Location
 
+T = TypeVar("T")
+RunCpu = Callable[..., Awaitable[Any]]  # (size, function, *args) -> function(*args)
+
+
+async def run_inline(size: int, function: Callable[..., T], *args: object) -> T:
+    return function(*args)
+
 
 class MediaStage:
     def __init__(self, rules: MediaUrls) -> None:
         self.inline = rules.fetch and rules.inline_fetched
         self.fetcher = MediaFetcher(rules) if rules.fetch else None
 
-    async def fetch(self, verdict: Verdict) -> Verdict:
+    async def fetch(self, verdict: Verdict, run_cpu: RunCpu = run_inline) -> Verdict:
         """A new verdict once every remote part is fetched (all at once): fetch failures
-        and content problems become its violations. ``verdict`` itself is not changed."""
+        and content problems become its violations. ``verdict`` itself is not changed.
+
+        The fetched bytes are checked through ``run_cpu``: megabytes of them, or a PNG
+        that inflates to many more, are CPU work for a thread, not the event loop."""
         if self.fetcher is None or verdict.rule is None:
             return verdict
         remote = [i for i, part in enumerate(verdict.parts) if part.url is not None]
@@ -64,7 +77,7 @@ class MediaStage:
                 f"{limits.max_fetched_bytes} bytes per request",
             )
             return verdict.with_violations(too_much)
-        return check_fetched(verdict, fetched)
+        return await run_cpu(total, check_fetched, verdict, fetched)
 
     def inlined(self, verdict: Verdict) -> list[tuple[Location, str]] | Violation:
         """Each fetched URL's place and data URL, or why the body would grow too large.
