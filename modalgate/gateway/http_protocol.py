@@ -75,6 +75,9 @@ SMALL_PIECE_BYTES = 4096
 # The request line and headers together, at most (Envoy's default is 60 KiB; nginx's
 # large_client_header_buffers 32 KiB).
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+# After a refusal the protocol answers itself, how long the client's bytes are still
+# read (and dropped) before the connection closes (``_close_lingering``).
+LINGER_S = 2.0
 # An ASGI extension of this protocol's: ``scope["extensions"][ON_CLIENT_GONE](callback)``
 # calls ``callback`` when the client's connection is lost, and returns a function that
 # forgets it. The proxy uses it to cancel an abandoned upstream request; under other
@@ -423,8 +426,26 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
         if self.transport.is_closing():
             return  # closed already (the request before asked to close it)
         self.transport.write(answer)
-        self.transport.close()
+        self._close_lingering()
         self._refused(event, violation)
+
+    def _close_lingering(self) -> None:
+        """The answer sent and our side shut, the client's bytes read and dropped for up
+        to ``LINGER_S``, then closed (nginx's lingering close): a socket closed with
+        unread bytes sends an RST, which can reach a client still sending before it has
+        read the answer, and the answer is lost."""
+        self._phase = _DONE  # what still comes is dropped (``_parse``)
+        transport = self.transport
+        if transport.get_protocol() is not self:  # a body read in place: its reader's reads
+            transport.close()
+            return
+        try:
+            transport.write_eof()
+        except (NotImplementedError, RuntimeError, OSError):
+            transport.close()
+            return
+        self.flow.resume_reading()
+        self.loop.call_later(LINGER_S, transport.close)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -495,11 +516,16 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
             return
         # This request's cycle (its headers are in) may have answered already: then no 408.
         cycle = self.cycle
-        if not cycle.response_started:
-            self.transport.write(_timed_out_response(late))
-            cycle.scope.setdefault("extensions", {})[ANSWERED_BY_SERVER] = 408  # type: ignore[typeddict-item]
-            self._refused("client_timed_out", late)
-        self.transport.close()  # the app waiting for the body hears http.disconnect
+        if cycle.response_started:
+            self.transport.close()
+            return
+        self.transport.write(_timed_out_response(late))
+        cycle.scope.setdefault("extensions", {})[ANSWERED_BY_SERVER] = 408  # type: ignore[typeddict-item]
+        self._refused("client_timed_out", late)
+        # The app waiting for the body hears http.disconnect now, not when the linger ends.
+        cycle.disconnected = True
+        cycle.message_event.set()
+        self._close_lingering()
 
     def _arm(self, wait: float) -> None:
         self._read_timer = self.loop.call_later(

@@ -118,6 +118,33 @@ def test_a_head_without_end_is_answered_431_and_the_gateway_keeps_its_memory(ups
     assert [r.path for r in toy.received if r.method == "POST"] == ["/v1/chat/completions"]
 
 
+def test_a_refusal_reaches_a_client_still_sending(upstream):
+    """The 431 goes and the gateway's side is shut, then it reads and drops what still
+    comes before it closes. Closed at once with bytes unread (the rest of one big
+    send), the kernel sends an RST instead of the end: the client reads a reset, and
+    the answer, where it was not read yet, is lost."""
+    _, base = upstream
+    with GatewayProcess("--upstream", base, "--max-header-bytes", "8192") as gateway:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", gateway.port)) as sock:
+                sock.settimeout(10)
+                head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\nx-pad: "
+                sending = threading.Thread(
+                    target=_send_quietly, args=(sock, head + b"a" * 4_000_000), daemon=True
+                )
+                sending.start()
+                response = b""
+                while chunk := sock.recv(65536):  # the answer, then the end: no reset
+                    response += chunk
+                sending.join(10)
+            assert response.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        sock.sendall(data)
+
+
 def _chat_request(size: int, path: str = "/v1/chat/completions") -> bytes:
     """A chat request of ``size`` bytes in all (its JSON padded with blanks), as bytes."""
     head = f"POST {path} HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
