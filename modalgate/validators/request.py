@@ -322,10 +322,13 @@ def _dialect_of(rule: ResolvedRule, dialect: DialectOf | None) -> Dialect:
 def _walk_input(items: Any, rule: ResolvedRule, verdict: VerdictBuilder) -> None:
     """The Responses API's ``input``: text, or items in order.
 
-    Servers turn items into chat messages: anything with a ``role`` is read as a
-    message (vLLM passes unknown items on that way), tool outputs as tool messages.
-    So every item that carries content or an image is walked, and an item of a
-    type that is not known to carry none, but holds content anyway, is refused.
+    Servers turn items into chat messages by their ``type`` first: a tool output is
+    a tool message whose content is its ``output`` whatever ``role`` it also carries
+    (vLLM's ``construct_chat_message_with_tool_call``); an item of a type they do
+    not know is passed on as a message where it has a ``role``. So every item is
+    read by its type, its ``content`` is walked too where it has a role (a server
+    reading by role would read that), and an item of a type not known to carry
+    none, but holding content anyway, is refused.
     """
     if isinstance(items, str):
         return
@@ -343,17 +346,22 @@ def _walk_input(items: Any, rule: ResolvedRule, verdict: VerdictBuilder) -> None
         kind = item.get("type", "message")
         if not isinstance(kind, str):
             verdict.violations.append(invalid("'type' must be a string", path(where, "type")))
-        elif kind == "message" or "role" in item:
+        elif kind == "message":
             walk_message(item, where, rule, verdict)
         elif kind in _OUTPUT_ITEMS:
             output = item.get("output")
             if isinstance(output, list):
                 for j, part in enumerate(output):
                     read_content_part(part, path(where, "output", j), "tool", rule, verdict)
+            _content_by_role(item, where, rule, verdict)
         elif kind == "computer_call_output":
             _read_screenshot(item.get("output"), path(where, "output"), rule, verdict)
+            _content_by_role(item, where, rule, verdict)
         elif kind in PART_KINDS:  # a content part where an item goes: judged as one
             read_content_part(item, where, "user", rule, verdict)
+            _content_by_role(item, where, rule, verdict)
+        elif "role" in item:  # a type servers do not know, passed on as a message
+            walk_message(item, where, rule, verdict)
         elif kind not in _CONTENTLESS_ITEMS and _CONTENT_KEYS.intersection(item):
             verdict.violations.append(
                 invalid(
@@ -361,6 +369,14 @@ def _walk_input(items: Any, rule: ResolvedRule, verdict: VerdictBuilder) -> None
                     path(where, "type"),
                 )
             )
+
+
+def _content_by_role(
+    item: dict[str, Any], where: str, rule: ResolvedRule, verdict: VerdictBuilder
+) -> None:
+    """A typed item's ``content`` where it also has a ``role``: walked as a message's."""
+    if "role" in item and "content" in item:
+        walk_message(item, where, rule, verdict)
 
 
 def _read_screenshot(output: Any, where: str, rule: ResolvedRule, verdict: VerdictBuilder) -> None:

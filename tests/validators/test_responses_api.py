@@ -237,3 +237,84 @@ def test_validate_endpoint_and_command_take_responses_bodies(gateway, tmp_path):
     done = subprocess.run(command, capture_output=True)  # read as chat: no messages
     assert done.returncode == 1
     assert orjson.loads(done.stdout)["error"]["param"] == "messages"
+
+
+# Items are read by their type first, as the servers read them: a tool output's
+# ``output`` is its tool message's content whatever ``role`` the item also carries.
+@pytest.mark.parametrize(
+    ("item", "model", "mode", "expected"),
+    [
+        (
+            {
+                "type": "function_call_output",
+                "role": "user",
+                "call_id": "c",
+                "output": [image("http://169.254.169.254/latest/meta-data/a.png")],
+            },
+            "kimi-k3",
+            "encoder",
+            ("url_not_allowed", "input.[0].output.[0].image_url"),
+        ),
+        (
+            {"type": "function_call_output", "role": "user", "call_id": "c", "output": [image()]},
+            "google/gemma-3-1b-it",
+            None,
+            ("unsupported_modality", "input.[0].output.[0].type"),
+        ),
+        (
+            {"type": "custom_tool_call_output", "role": "tool", "call_id": "c", "output": [PDF]},
+            "kimi-k3",
+            "encoder",
+            ("unsupported_modality", "input.[0].output.[0].type"),
+        ),
+        (
+            {**image(), "role": "user"},
+            "google/gemma-3-1b-it",
+            None,
+            ("unsupported_modality", "input.[0].type"),
+        ),
+        (
+            {
+                "type": "function_call_output",
+                "role": "user",
+                "call_id": "c",
+                "output": "42",
+                "content": [image()],
+            },
+            "google/gemma-3-1b-it",
+            None,
+            ("unsupported_modality", "input.[0].content.[0].type"),
+        ),
+        (
+            {
+                "type": "function_call",
+                "role": "assistant",
+                "call_id": "c",
+                "name": "f",
+                "arguments": "{}",
+                "content": [image()],
+            },
+            "google/gemma-3-1b-it",
+            None,
+            ("unsupported_modality", "input.[0].content.[0].type"),
+        ),
+    ],
+    ids=[
+        "metadata-ip-in-output",
+        "image-in-output-text-only",
+        "file-in-custom-output",
+        "part-with-role",
+        "content-beside-output",
+        "content-of-a-call-with-role",
+    ],
+)
+def test_typed_items_with_a_role_are_read_by_their_type(item, model, mode, expected):
+    code, param, _ = refusal([item], model=model, mode=mode)
+    assert (code, param) == expected
+
+
+def test_a_tool_output_with_a_role_and_a_clean_image_is_kept():
+    item = {"type": "function_call_output", "role": "user", "call_id": "c", "output": [image()]}
+    result = verdict([item])
+    assert result.accepted, result.violations
+    assert [p.param for p in result.parts] == ["input.[0].output.[0]"]
