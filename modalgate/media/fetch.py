@@ -138,11 +138,15 @@ class MediaFetcher:
         self._per_host: dict[str, anyio.Semaphore] = {}
 
     async def fetch(self, url: str, *, max_bytes: int, modality: str = "image") -> Fetched:
+        """The media at ``url``; every way it cannot be had is a ``FetchError`` (the gate
+        turns that into a 400, anything else it would answer 500)."""
         try:
             with anyio.fail_after(self.rules.fetch_timeout_s):
                 return await self._fetch(url, max_bytes, modality)
         except TimeoutError:
             raise FetchError(ErrorCode.MEDIA_FETCH_FAILED, "fetching the URL timed out") from None
+        except OSError:  # a file:// read: gone, or not readable, after its check
+            raise FetchError(ErrorCode.MEDIA_FETCH_FAILED, "the file could not be read") from None
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -167,7 +171,10 @@ class MediaFetcher:
                     _PINNED.reset(token)
             if isinstance(result, Fetched):
                 return result
-            current = str(parsed.join(result))
+            try:
+                current = str(parsed.join(result))
+            except (httpx.InvalidURL, UnicodeError, ValueError):
+                raise FetchError(ErrorCode.MEDIA_FETCH_FAILED, _BAD_LOCATION) from None
         raise FetchError(
             ErrorCode.MEDIA_FETCH_FAILED,
             f"the URL redirected more than {self.rules.max_redirects} times",
@@ -262,6 +269,14 @@ class MediaFetcher:
             raise FetchError(
                 ErrorCode.MEDIA_FETCH_FAILED, "could not download from the URL's host"
             ) from None
+        except (httpx.InvalidURL, UnicodeError, ValueError):
+            # Not HTTPErrors: httpx builds a redirect's next request as it sends (a Location
+            # it cannot parse, or whose host IDNA refuses, raises there).
+            raise FetchError(ErrorCode.MEDIA_FETCH_FAILED, _BAD_LOCATION) from None
+        except httpx.StreamError:
+            raise FetchError(
+                ErrorCode.MEDIA_FETCH_FAILED, "could not download from the URL's host"
+            ) from None
 
     async def _read_file(self, url: httpx.URL, max_bytes: int) -> Fetched:
         path = await anyio.to_thread.run_sync(_file_inside_roots, url.path, self.rules.file_roots)
@@ -290,6 +305,9 @@ def _fits(content_type: str, modality: str) -> bool:
     if modality == "file":
         return content_type == "application/pdf" or content_type.startswith("text/")
     return content_type.startswith(modality + "/")
+
+
+_BAD_LOCATION = "the URL redirected to a location that cannot be fetched"
 
 
 def _too_big(max_bytes: int) -> FetchError:

@@ -29,6 +29,8 @@ def parse_media_url(url: str) -> httpx.URL | str:
         _ = parsed.host  # decodes IDNA labels, which can fail (xn--ls8h is not a valid label)
     except (httpx.InvalidURL, ValueError, UnicodeError):
         return "the URL cannot be parsed"
+    if parsed.port is not None and not 0 < parsed.port < 65536:  # httpx takes any digits
+        return "the URL's port is not between 1 and 65535"
     return parsed
 
 

@@ -58,6 +58,14 @@ def _endless(handler) -> None:
         pass
 
 
+def _bad_content_length(handler) -> None:
+    handler.send_response(200)
+    handler.send_header("content-type", "image/png")
+    handler.send_header("content-length", "12, 13")
+    handler.end_headers()
+    handler.wfile.write(PNG[:12])
+
+
 @pytest.fixture(scope="module")
 def forbidden() -> Iterator[Recorder]:
     server = start_server(Recorder(("127.0.0.2", 0), {"/a.png": lambda h: send_body(h, PNG)}))
@@ -84,6 +92,15 @@ def media(forbidden) -> Iterator[Recorder]:
         "/to-relative": _redirect("/a.png"),
         "/loop": _redirect("/loop"),
         "/to-file": _redirect("file:///etc/passwd"),
+        # Locations httpx cannot join or send (InvalidURL, UnsupportedProtocol).
+        "/to-foo-bar": _redirect("foo:bar"),
+        "/to-data": _redirect("data:image/png;base64,iVBORw0KGgo="),
+        "/to-bad-port": _redirect("http://127.0.0.1:99999/a.png"),
+        "/to-bad-host": _redirect("http://exa mple.com/a.png"),
+        "/to-nul": _redirect("http://127.0.0.1/a\x00.png"),
+        "/to-long-label": _redirect("http://" + "a" * 70 + ".example/a.png"),
+        "/to-bad-idna": _redirect("http://xn--a.example/a.png"),
+        "/bad-content-length": _bad_content_length,
     }
     server = start_server(Recorder(("127.0.0.1", 0), routes))
     yield server
@@ -353,3 +370,24 @@ def test_idna_hosts_are_resolved_and_connected_in_their_ascii_form(media):
     assert fetch(f"http://bücher.test:{port}/a.png", resolver=resolver).data == PNG
     assert asked == ["xn--bcher-kva.test"]
     assert media.hosts[-1] == f"xn--bcher-kva.test:{port}"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/to-foo-bar",
+        "/to-data",
+        "/to-bad-port",
+        "/to-bad-host",
+        "/to-nul",
+        "/to-long-label",
+        "/to-bad-idna",
+        "/bad-content-length",
+    ],
+)
+def test_what_httpx_raises_outside_http_error_is_a_fetch_refusal(media, path):
+    """InvalidURL, UnsupportedProtocol, a header it cannot read: each a FetchError with
+    a stable code, never an exception the gate would answer 500."""
+    error = refusal(media.base + path)
+    assert error.code in (ErrorCode.MEDIA_FETCH_FAILED, ErrorCode.URL_NOT_ALLOWED), error
+    assert "Traceback" not in error.reason and "httpx" not in error.reason

@@ -937,6 +937,8 @@ def test_image_mime_need_not_match_the_image_format(data, mime, fmt, encoder_mat
         "https://example.com\\@127.0.0.1/",
         "https://",
         "https:///a.png",
+        "https://example.com:99999/a.png",  # httpx parses it; a socket cannot connect to it
+        "https://example.com:0/a.png",
     ],
 )
 def test_url_not_allowed(url, encoder_matcher):

@@ -61,6 +61,16 @@ def gate_app(inline: bool = True, fetch: bool = True) -> ModalGate:
     return ModalGate(app, policy=policy)
 
 
+def _redirect(location: str):
+    def route(handler) -> None:
+        handler.send_response(302)
+        handler.send_header("location", location)
+        handler.send_header("content-length", "0")
+        handler.end_headers()
+
+    return route
+
+
 @pytest.fixture(scope="module")
 def media() -> Iterator[Recorder]:
     routes = {
@@ -68,6 +78,8 @@ def media() -> Iterator[Recorder]:
         "/tiny.png": lambda h: send_body(h, TINY),
         "/video-as-png": lambda h: send_body(h, MP4_BYTES, "image/png"),
         "/garbage.png": lambda h: send_body(h, b"not an image at all"),
+        "/to-foo-bar": _redirect("foo:bar"),
+        "/to-data": _redirect("data:image/png;base64,iVBORw0KGgo="),
     }
     server = start_server(Recorder(("127.0.0.1", 0), routes))
     yield server
@@ -111,6 +123,9 @@ def test_fetched_image_is_checked_and_inlined(inline_url, media):
         ("/garbage.png", 400, "invalid_image"),
         ("/tiny.png", 400, "image_too_small"),
         ("/missing.png", 400, "media_fetch_failed"),
+        # httpx raises InvalidURL (not an HTTPError) for these Locations: was a 500
+        ("/to-foo-bar", 400, "media_fetch_failed"),
+        ("/to-data", 400, "media_fetch_failed"),
     ],
 )
 def test_fetched_bytes_get_the_inline_checks(inline_url, media, path, status, code):
