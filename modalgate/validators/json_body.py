@@ -27,6 +27,7 @@ import codecs
 import os
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import jiter
@@ -171,12 +172,29 @@ def payloads_aside(body: bytes) -> tuple[bytes, dict[str, memoryview]]:
     return b"".join(pieces), aside
 
 
+class Unset:
+    """A replacement that removes the key at its location (a URL moved to another key)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Default:
+    """A replacement that sets the key only where the object lacks it."""
+
+    value: Any
+
+
 def rewrite_json_body(body: bytes, replacements: Iterable[tuple[Location, Any]]) -> bytes:
-    """``body`` (already validated) with the values at these locations replaced."""
+    """``body`` (already validated) with the values at these locations replaced (or,
+    for ``Unset`` and ``Default``, the key removed, or set where it is missing)."""
     tree = jiter.from_json(_without_bom(body), float_mode="lossless-float")
     for location, value in replacements:
         container, key = locate(tree, location)
-        container[key] = value
+        if value is Unset:
+            container.pop(key, None)
+        elif isinstance(value, Default):
+            container.setdefault(key, value.value)
+        else:
+            container[key] = value
     return dump_json_body(tree)
 
 

@@ -246,7 +246,8 @@ def _read_input_file(media: PartDraft, at: _PartAt) -> PartDraft | Violation:
     part, where = at.part, at.where
     url = part.get("file_url")
     if isinstance(url, str) and "file_data" not in part:
-        return with_url(media, url, path(where, "file_url"))  # never inlined: not a URL slot
+        media.inlinable = True  # fetched, it is forwarded as file_data (``MediaPart.inlined``)
+        return with_url(media, url, path(where, "file_url"))
     return _url_or_file_id(media, part, "file_data", where, bare_base64=True)
 
 

@@ -8,14 +8,22 @@ fills the mutable ``VerdictBuilder`` and ``PartDraft`` and freezes them once.
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 import pybase64
 
 from modalgate.errors import Violation, status_of
 from modalgate.policy.matching import ResolvedRule
-from modalgate.validators.json_body import Location, location_of, parse_json_body
+from modalgate.validators.json_body import (
+    Default,
+    Location,
+    Unset,
+    location_of,
+    parse_json_body,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,22 +64,33 @@ class MediaPart:
         """A mutable copy, for a stage that checks the part again (fetched bytes)."""
         return PartDraft(*(getattr(self, name) for name in _PART_FIELDS))
 
-    def inlined(self) -> tuple[Location, str] | None:
-        """Where the fetched URL sits and the data URL of its bytes, to forward instead."""
+    def inlined(self) -> list[tuple[Location, Any]]:
+        """The edits that forward the fetched bytes, as a data URL, instead of the URL: in
+        its place, or for an ``input_file``'s ``file_url`` (a slot for URLs only) as its
+        ``file_data``, with a ``filename`` where it has none (OpenAI asks for one)."""
         if not self.inlinable or self.data is None or self.url is None:
-            return None
+            return []
         if self.format and self.modality in ("image", "video", "audio"):
             mime = f"{self.modality}/{self.format}"  # what the bytes are, not what a server said
         else:
             mime = self.mime or "application/octet-stream"
         data_url = f"data:{mime};base64,{pybase64.b64encode(self.data).decode()}"
-        return location_of(self.payload_at), data_url
+        where = location_of(self.payload_at)
+        if where[-1] != "file_url":
+            return [(where, data_url)]
+        name = posixpath.basename(urlsplit(self.url).path)[:100] or "file"
+        part = where[:-1]
+        return [
+            (where, Unset),
+            ((*part, "file_data"), data_url),
+            ((*part, "filename"), Default(name)),
+        ]
 
     def inlined_size(self) -> int:
-        """Bytes the body grows by once this part's data URL replaces its URL."""
+        """Bytes the body grows by once this part's data URL replaces its URL (at most)."""
         if not self.inlinable or self.data is None or self.url is None:
             return 0
-        return 40 + (len(self.data) + 2) // 3 * 4 - len(self.url)
+        return 160 + (len(self.data) + 2) // 3 * 4 - len(self.url)
 
     def facts(self) -> dict[str, Any]:
         return {

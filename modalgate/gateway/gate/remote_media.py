@@ -79,7 +79,7 @@ class MediaStage:
             return verdict.with_violations(too_much)
         return await run_cpu(total, check_fetched, verdict, fetched)
 
-    def inlined(self, verdict: Verdict) -> list[tuple[Location, str]] | Violation:
+    def inlined(self, verdict: Verdict) -> list[tuple[Location, Any]] | Violation:
         """Each fetched URL's place and data URL, or why the body would grow too large.
 
         The forwarded body obeys the same cap as the received one: inlining must not
@@ -94,7 +94,7 @@ class MediaStage:
                 f"with its remote media inlined the request body would be about "
                 f"{verdict.body_bytes + growth} bytes; the limit is {cap} bytes",
             )
-        return [edit for part in verdict.remote_parts if (edit := part.inlined()) is not None]
+        return [edit for part in verdict.remote_parts for edit in part.inlined()]
 
     async def aclose(self) -> None:
         if self.fetcher is not None:

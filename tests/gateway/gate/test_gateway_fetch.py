@@ -15,6 +15,7 @@ from starlette.routing import Route
 
 from conftest import (
     MP4_BYTES,
+    PDF_BYTES,
     Recorder,
     chat,
     image_bytes,
@@ -78,6 +79,7 @@ def media() -> Iterator[Recorder]:
         "/tiny.png": lambda h: send_body(h, TINY),
         "/video-as-png": lambda h: send_body(h, MP4_BYTES, "image/png"),
         "/garbage.png": lambda h: send_body(h, b"not an image at all"),
+        "/a.pdf": lambda h: send_body(h, PDF_BYTES, "application/pdf"),
         "/to-foo-bar": _redirect("foo:bar"),
         "/to-data": _redirect("data:image/png;base64,iVBORw0KGgo="),
     }
@@ -158,3 +160,48 @@ def test_fetch_can_be_turned_off(media):
     assert response.status_code == 200
     assert response.json()["media"][0]["width"] is None
     assert len(media.connections) == before
+
+
+FILE_POLICY = """
+media_urls:
+  schemes: [data, https, http]
+  allow_private: ["127.0.0.1/32"]
+models:
+  - name: docs
+    accepts: [image, file]
+"""
+
+
+@pytest.fixture(scope="module")
+def responses_url() -> Iterator[str]:
+    app = Starlette(routes=[Route("/v1/responses", echo, methods=["POST"])])
+    with serve(ModalGate(app, policy=parse_policy(FILE_POLICY, fmt="yaml"))) as url:
+        yield url
+
+
+def input_file(**fields) -> dict:
+    return {
+        "model": "docs",
+        "input": [{"role": "user", "content": [{"type": "input_file", **fields}]}],
+    }
+
+
+@pytest.mark.parametrize(
+    ("fields", "filename"),
+    [({}, "a.pdf"), ({"filename": "report.pdf"}, "report.pdf")],
+    ids=["named-from-url", "own-name"],
+)
+def test_a_fetched_input_file_is_forwarded_as_file_data(responses_url, media, fields, filename):
+    """What the gate checked is what goes on: the server does not download it again."""
+    before = len(media.connections)
+    request = input_file(file_url=media.base + "/a.pdf", **fields)
+    response = httpx.post(responses_url + "/v1/responses", json=request, timeout=10)
+    assert response.status_code == 200, response.text
+    echoed = response.json()
+    [part] = orjson.loads(echoed["body"])["input"][0]["content"]
+    assert set(part) == {"type", "file_data", "filename"}
+    assert part["filename"] == filename
+    assert part["file_data"].startswith("data:application/pdf;base64,")
+    assert pybase64.b64decode(part["file_data"].split(",", 1)[1]) == PDF_BYTES
+    assert echoed["content_length"] == str(len(echoed["body"].encode()))
+    assert len(media.connections) == before + 1, "fetched exactly once"
