@@ -300,17 +300,7 @@ def phi4mm_tokens(width: int, height: int, spec: TokenSpec) -> int:
     w_crops = math.ceil(width / float(crop))
     h_crops = math.ceil(height / float(crop))
     if w_crops * h_crops > max_crops:
-        aspect = width / height
-        area = width * height
-        best_diff = float("inf")
-        grid = (1, 1)
-        for ratio in _phi4_ratios(max_crops):
-            diff = abs(aspect - ratio[0] / ratio[1])
-            if diff < best_diff:
-                best_diff = diff
-                grid = ratio
-            elif diff == best_diff and area > 0.5 * crop * crop * ratio[0] * ratio[1]:
-                grid = ratio
+        grid = _closest_aspect_ratio(width, height, _phi4_ratios(max_crops), crop)
     else:
         grid = (w_crops, h_crops)
     target_w, target_h = crop * grid[0], crop * grid[1]
@@ -361,20 +351,30 @@ def internvl_tiles_tokens(width: int, height: int, spec: TokenSpec) -> int:
     per_tile = spec.tokens_per_image or INTERNVL_TILE_TOKENS
     tiles = 1
     if max_tiles > 1:
-        aspect = width / height
-        area = width * height
-        best_diff = float("inf")
-        grid = (1, 1)
-        for candidate in _internvl_grids(max_tiles):
-            diff = abs(aspect - candidate[0] / candidate[1])
-            if diff < best_diff:
-                best_diff = diff
-                grid = candidate
-            elif diff == best_diff and area > 0.5 * tile * tile * candidate[0] * candidate[1]:
-                grid = candidate
+        grid = _closest_aspect_ratio(width, height, _internvl_grids(max_tiles), tile)
         if grid[0] * grid[1] > 1:
             tiles += grid[0] * grid[1]
     return per_tile * tiles + 2
+
+
+def _closest_aspect_ratio(
+    width: int, height: int, grids: tuple[tuple[int, int], ...], tile: int
+) -> tuple[int, int]:
+    """The (columns, rows) grid whose ratio is nearest the image's; on a tie the later
+    one where the image covers over half its area (``find_closest_aspect_ratio``, which
+    InternVL's and Phi-4's processors share)."""
+    aspect = width / height
+    area = width * height
+    best_diff = float("inf")
+    grid = (1, 1)
+    for candidate in grids:
+        diff = abs(aspect - candidate[0] / candidate[1])
+        if diff < best_diff:
+            best_diff = diff
+            grid = candidate
+        elif diff == best_diff and area > 0.5 * tile * tile * candidate[0] * candidate[1]:
+            grid = candidate
+    return grid
 
 
 def openai_tiles_tokens(width: int, height: int, spec: TokenSpec) -> int:
