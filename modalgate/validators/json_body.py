@@ -103,10 +103,8 @@ def tree_problem(text: bytes) -> Violation | None:
     if _tree_bytes(openers) <= allowed:
         return None
     del openers
-    if b"\\" in text:
-        text = text.replace(b"\\", b"")
-    if b'"' in text:
-        text = text.replace(b'"', b"")
+    if b"\\" in text:  # a backslash pair, then what is left: an escaped quote
+        text = text.replace(b"\\\\", b"").replace(b'\\"', b"")
     outside = text.translate(None, _OPENERS_AND_QUOTES)
     del text
     strings = outside.count(b'"') // 2
