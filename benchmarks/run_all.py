@@ -29,6 +29,8 @@ SCRIPTS = (
     "p8_image_checks.py",
     "p9_gate_cost.py",
     "p10_padded_images.py",
+    "p11_hostile_bodies.py",
+    "png_pixel_check.py",  # P12
     "r1_ray_pool.py",
     "w1_workers.py",
 )
