@@ -31,6 +31,7 @@ SCRIPTS = (
     "p10_padded_images.py",
     "p11_hostile_bodies.py",
     "png_pixel_check.py",  # P12
+    "p13_av_probe.py",
     "r1_ray_pool.py",
     "w1_workers.py",
 )

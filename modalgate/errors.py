@@ -33,6 +33,9 @@ class ErrorCode(str, Enum):
     IMAGE_TOO_SMALL = "image_too_small"
     UNSUPPORTED_IMAGE_SHAPE = "unsupported_image_shape"
     TOO_MANY_IMAGE_TOKENS = "too_many_image_tokens"
+    INVALID_MEDIA = "invalid_media"
+    UNSUPPORTED_MEDIA_FORMAT = "unsupported_media_format"
+    MEDIA_TOO_LARGE = "media_too_large"
     URL_NOT_ALLOWED = "url_not_allowed"
     MEDIA_FETCH_FAILED = "media_fetch_failed"
     ENCODER_OVERLOADED = "encoder_overloaded"
@@ -67,6 +70,9 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.IMAGE_TOO_SMALL: 400,
     ErrorCode.UNSUPPORTED_IMAGE_SHAPE: 400,
     ErrorCode.TOO_MANY_IMAGE_TOKENS: 400,
+    ErrorCode.INVALID_MEDIA: 400,
+    ErrorCode.UNSUPPORTED_MEDIA_FORMAT: 400,
+    ErrorCode.MEDIA_TOO_LARGE: 400,
     ErrorCode.URL_NOT_ALLOWED: 400,
     ErrorCode.MEDIA_FETCH_FAILED: 400,
     ErrorCode.ENCODER_OVERLOADED: 503,

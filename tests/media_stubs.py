@@ -8,6 +8,7 @@ import io
 import struct
 import zlib
 
+from av_media import make_video
 from PIL import Image
 
 
@@ -49,8 +50,9 @@ def png_rows(width: int, height: int, channels: int = 3, row_filter: int = 0) ->
     return b"".join(bytes([row_filter]) + line[y % 3 :] + line[: y % 3] for y in range(height))
 
 
-# Minimal real container headers (enough for every sniffer, ffprobe included).
-MP4_BYTES = b"\x00\x00\x00\x18ftypmp42\x00\x00\x00\x00mp42isom" + b"\x00\x00\x00\x08free" * 4
+# A real two-frame 16x16 H.264 MP4 (PyAV), and a minimal real WAV: both whole files
+# that FFmpeg reads to their end (``media.av_probe``).
+MP4_BYTES = make_video("mp4", frames=2, width=16, height=16)
 WAV_BYTES = (
     b"RIFF"
     + struct.pack("<I", 36 + 8)

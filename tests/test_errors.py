@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from av_media import make_audio, make_video
 from PIL import Image
 
 from conftest import (
@@ -294,6 +295,17 @@ class Lab:
             return Produced(response.status_code, json.loads(events[-1]), dict(response.headers))
 
 
+QWEN_VL = "Qwen/Qwen2.5-VL-7B-Instruct"
+
+
+def video_part(data: bytes, mime: str = "video/mp4") -> dict[str, Any]:
+    return {"type": "video_url", "video_url": {"url": data_url(data, mime)}}
+
+
+def audio_part(data: bytes) -> dict[str, Any]:
+    return {"type": "input_audio", "input_audio": {"data": b64(data), "format": "wav"}}
+
+
 @pytest.fixture(scope="module")
 def lab() -> Iterator[Lab]:
     with contextlib.ExitStack() as stack:
@@ -356,6 +368,18 @@ EXAMPLES: dict[str, list[Producer]] = {
     "unsupported_image_shape": [
         lambda lab: lab.validate(
             chat(TEXT, image_part(data_url(image_bytes(size=(6000, 29)))), model=QWEN)
+        ),
+    ],
+    "invalid_media": [
+        lambda lab: lab.validate(chat(video_part(make_video("mp4")[:-100]), model=QWEN_VL)),
+    ],
+    "unsupported_media_format": [
+        lambda lab: lab.validate(chat(video_part(make_video("ts"), "video/mp2t"), model=QWEN_VL)),
+    ],
+    "media_too_large": [
+        lambda lab: lab.validate(
+            chat(audio_part(make_audio("wav")), model="Qwen/Qwen2.5-Omni-7B"),
+            policy="extends: builtin\nlimits: {max_audio_seconds: 0.5}\n",
         ),
     ],
     "too_many_image_tokens": [

@@ -40,6 +40,12 @@ def charge(work_bytes: int) -> None:
         raise InlineWorkExceeded
 
 
+def charge_all() -> None:
+    """For a check with no cost bound small enough for the loop (FFmpeg demuxing a video):
+    under an allowance, the body goes to a thread."""
+    charge(INLINE_WORK_BYTES + 1)
+
+
 def run_within(function: Callable[..., T], *args: object) -> T | InlineWorkExceeded:
     """``function(*args)`` under a fresh allowance, or the exception that says it ran over.
 

@@ -66,6 +66,8 @@ def sniff(head: bytes) -> Sniffed | None:
         return Sniffed("audio", "mp3")
     if head[:2] == b"\xff\xf1" or head[:2] == b"\xff\xf9":
         return Sniffed("audio", "aac")
+    if len(head) > 376 and head[0] == head[188] == head[376] == 0x47:  # TS packets' sync
+        return Sniffed("video", "ts")
     if head.startswith(b"%PDF-"):
         return Sniffed("file", "pdf")
     if head.startswith(b"BM") and len(head) >= 14:

@@ -27,6 +27,9 @@ Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 # Formats with a header reader in media.pillow (HEIF would need pillow-heif: not offered).
 ImageFormat = Literal["jpeg", "png", "webp", "gif", "bmp", "tiff", "avif", "ico"]
 UrlScheme = Literal["data", "https", "http", "file"]
+# Containers with a walker in media.container_walk and a demuxer in media.av_probe.
+VideoFormat = Literal["mp4", "mov", "webm", "mkv", "avi", "ts", "ogv"]
+AudioFormat = Literal["wav", "flac", "ogg", "mp3", "m4a", "aac"]
 
 
 class _Strict(BaseModel):
@@ -61,6 +64,19 @@ class Limits(_Strict):
     # Vision-token budgets, estimated with the rule's `tokens` family; None = no budget.
     max_image_tokens: int | None = Field(None, gt=0)
     max_request_image_tokens: int | None = Field(None, gt=0)
+    # Video and audio (media.av_probe: FFmpeg's demuxers, every packet counted). Codecs
+    # are FFmpeg's names; None: any FFmpeg decodes.
+    video_formats: tuple[VideoFormat, ...] = ("mp4", "mov", "webm", "mkv", "avi")
+    video_codecs: tuple[str, ...] | None = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg")
+    max_video_seconds: float = Field(600.0, gt=0)
+    max_video_frames: int = Field(36_000, gt=0)  # ten minutes at 60 fps
+    max_video_pixels: int = Field(4096 * 2160, gt=0)  # per frame
+    audio_formats: tuple[AudioFormat, ...] = ("wav", "flac", "ogg", "mp3", "m4a", "aac")
+    audio_codecs: tuple[str, ...] | None = None
+    max_audio_seconds: float = Field(600.0, gt=0)
+    min_audio_sample_rate: int = Field(8_000, gt=0)
+    max_audio_sample_rate: int = Field(192_000, gt=0)
+    max_audio_channels: int = Field(8, gt=0)
 
     def max_count(self, modality: str) -> int | None:
         return {

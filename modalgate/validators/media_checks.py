@@ -18,6 +18,7 @@ from modalgate.media.sniff import SNIFF_BYTES, mime_modality, sniff
 from modalgate.media.urls import url_refusal
 from modalgate.policy.matching import ResolvedRule
 from modalgate.policy.models import MediaUrls
+from modalgate.validators.av_checks import av_violations
 from modalgate.validators.image_probe import ImageFacts, ImageProbeError, probe_image
 from modalgate.validators.tokens import TokenEstimateError, estimate_tokens
 from modalgate.validators.verdict import MediaPart, PartDraft
@@ -106,6 +107,7 @@ def content_violations(part: PartDraft, rule: ResolvedRule) -> list[Violation]:
     if part.data is None:
         return []
     part.bytes = len(part.data)
+    claimed = part.format or part.mime  # input_audio's ``format``, or the data URL's type
     sniffed = sniff(part.data[:SNIFF_BYTES])
     if sniffed is not None:
         part.format = sniffed.format
@@ -118,11 +120,26 @@ def content_violations(part: PartDraft, rule: ResolvedRule) -> list[Violation]:
                     f"{_ARTICLE[sniffed.modality]} ({sniffed.format.upper()})",
                 )
             ]
+    if part.modality in ("video", "audio"):
+        if sniffed is None:
+            part.format = None  # what was claimed is not what the bytes are
+            what = "a video" if part.modality == "video" else "an audio"
+            message = f"the data is not {what} file of a known format"
+            return [_violation(ErrorCode.INVALID_MEDIA, part, message)]
+        return av_violations(part, rule, claimed, _claimed_at(part))
     if part.modality != "image":
         return []
     if sniffed is None:
         return [_violation(ErrorCode.INVALID_IMAGE, part, "the data is not a recognised image")]
     return _image_violations(part, rule)
+
+
+def _claimed_at(part: PartDraft) -> str:
+    """Where the format beside the bytes sits: ``input_audio.format``, or the URL."""
+    at = part.payload_at
+    if part.part_type == "input_audio" and at.endswith(".data"):
+        return at[: -len("data")] + "format"
+    return at
 
 
 def _image_violations(part: PartDraft, rule: ResolvedRule) -> list[Violation]:

@@ -45,6 +45,7 @@ class MediaPart:
     width: int | None = None
     height: int | None = None
     frames: int | None = None
+    seconds: float | None = None  # video and audio: the span of the packets counted
     bytes: int | None = None
     tokens: int | None = None  # estimated vision tokens, where the rule's family has an estimator
     payload_param: str | None = None  # where the URL or base64 sits
@@ -104,6 +105,7 @@ class MediaPart:
             "width": self.width,
             "height": self.height,
             "frames": self.frames,
+            "seconds": self.seconds,
             "bytes": self.bytes,
             "tokens": self.tokens,
         }
@@ -178,6 +180,7 @@ class PartDraft:
     width: int | None = None
     height: int | None = None
     frames: int | None = None
+    seconds: float | None = None
     bytes: int | None = None
     tokens: int | None = None
     payload_param: str | None = None

@@ -58,8 +58,15 @@ INLINE_ANY_SHAPE_BYTES = 1024
 # could spell it otherwise, so a body with a backslash is treated alike.
 _MAY_HOLD_PNG = b"iVBORw0KGg"
 VERDICT_STATE_KEY = "modalgate_verdict"
+# Every video or audio part's type or key names it (``video_url``, ``input_audio``, ...):
+# FFmpeg probes it, which is never cheap enough for the loop (``inline_work.charge_all``).
+_AV_WORDS = (b"video", b"audio")
 ROUTED_TO_HEADER = b"x-modalgate-routed-to"  # set when a fallback chose another model
 T = TypeVar("T")
+
+
+def _may_hold_av(body: bytes) -> bool:
+    return _AV_WORDS[0] in body or _AV_WORDS[1] in body
 
 
 class ModalGate:
@@ -208,7 +215,7 @@ class ModalGate:
         if len(body) < decider.inline_below:
             if len(body) > INLINE_ANY_SHAPE_BYTES and body.count(b",") > INLINE_MAX_COMMAS:
                 decider = self.strict_threaded_decider if strict else self.threaded_decider
-            elif _MAY_HOLD_PNG in body or b"\\" in body:
+            elif _MAY_HOLD_PNG in body or b"\\" in body or _may_hold_av(body):
                 # A PNG's pixel data is inflated: its cost is its declared size, not the
                 # body's (``inline_work``); too much of it and the body goes to a thread.
                 verdict = run_within(

@@ -53,6 +53,9 @@ SHADOWABLE = frozenset(
         ErrorCode.IMAGE_TOO_SMALL,
         ErrorCode.UNSUPPORTED_IMAGE_SHAPE,
         ErrorCode.TOO_MANY_IMAGE_TOKENS,
+        ErrorCode.INVALID_MEDIA,
+        ErrorCode.UNSUPPORTED_MEDIA_FORMAT,
+        ErrorCode.MEDIA_TOO_LARGE,
     }
 )
 MAX_HEADER_VIOLATIONS = 8
