@@ -111,6 +111,12 @@ class TokenSpec(_Strict):
     tokens_per_image: int | None = Field(None, gt=0)
     tile_size: int | None = Field(None, gt=0)
     max_tiles: int | None = Field(None, gt=0)
+    # Videos (``validators.video_tokens.VIDEO_ESTIMATORS``): every frame resized within
+    # these bounds, frames grouped ``temporal_patch_size`` at a time.
+    video_family: str | None = None
+    video_min_pixels: int | None = Field(None, gt=0)
+    video_max_pixels: int | None = Field(None, gt=0)
+    temporal_patch_size: int | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _fixed_needs_a_count(self) -> TokenSpec:

@@ -15,7 +15,9 @@ from modalgate.media.av_probe import MediaFacts, MediaProbeError, probe_media
 from modalgate.media.inline_work import charge_all
 from modalgate.policy.matching import ResolvedRule
 from modalgate.policy.models import Limits
+from modalgate.validators.tokens import TokenEstimateError
 from modalgate.validators.verdict import PartDraft
+from modalgate.validators.video_tokens import estimate_video_tokens
 
 # What a claimed format or MIME subtype names, as the sniffed container's name.
 _CLAIMED = {
@@ -77,7 +79,16 @@ def av_violations(
     part.seconds, part.frames = facts.seconds, facts.packets if what == "video" else None
     part.width, part.height = facts.width, facts.height
     found = _video_limits(facts, limits) if what == "video" else _audio_limits(facts, limits)
-    return [] if found is None else [_violation(found[0], part, found[1])]
+    if found is not None:
+        return [_violation(found[0], part, found[1])]
+    if what == "video" and rule.tokens is not None and facts.width and facts.height:
+        try:  # counted in the request's vision-token budget (``budget_violations``)
+            part.tokens = estimate_video_tokens(
+                facts.width, facts.height, facts.packets, rule.tokens
+            )
+        except TokenEstimateError as exc:
+            return [_violation(ErrorCode.UNSUPPORTED_IMAGE_SHAPE, part, str(exc))]
+    return []
 
 
 def _claim_problem(part: PartDraft, claimed: str | None, where: str | None) -> Violation | None:
