@@ -109,9 +109,9 @@ def _claim_problem(part: PartDraft, claimed: str | None, where: str | None) -> V
 
 
 def _video_limits(facts: MediaFacts, limits: Limits) -> tuple[ErrorCode, str] | None:
-    if limits.video_codecs is not None and facts.codec not in limits.video_codecs:
-        shown = ", ".join(limits.video_codecs)
-        return ErrorCode.UNSUPPORTED_MEDIA_FORMAT, f"{facts.codec} video is not accepted ({shown})"
+    codec = _codec_problem("video", facts.codec, limits.video_codecs)
+    if codec is not None:
+        return codec
     width, height = facts.width or 0, facts.height or 0
     if width * height > limits.max_video_pixels:
         return (
@@ -121,23 +121,18 @@ def _video_limits(facts: MediaFacts, limits: Limits) -> tuple[ErrorCode, str] | 
         )
     if width == 0 or height == 0:
         return ErrorCode.INVALID_MEDIA, "the video's frame size is missing"
-    if facts.seconds > limits.max_video_seconds:
-        return (
-            ErrorCode.MEDIA_TOO_LARGE,
-            f"video is {facts.seconds:.1f} s long; the limit is {limits.max_video_seconds:g} s",
-        )
     if facts.packets > limits.max_video_frames:
         return (
             ErrorCode.MEDIA_TOO_LARGE,
             f"video has {facts.packets} frames; the limit is {limits.max_video_frames}",
         )
-    return None
+    return _length_problem("video", facts.seconds, limits.max_video_seconds)
 
 
 def _audio_limits(facts: MediaFacts, limits: Limits) -> tuple[ErrorCode, str] | None:
-    if limits.audio_codecs is not None and facts.codec not in limits.audio_codecs:
-        shown = ", ".join(limits.audio_codecs)
-        return ErrorCode.UNSUPPORTED_MEDIA_FORMAT, f"{facts.codec} audio is not accepted ({shown})"
+    codec = _codec_problem("audio", facts.codec, limits.audio_codecs)
+    if codec is not None:
+        return codec
     rate, channels = facts.sample_rate or 0, facts.channels or 0
     if not limits.min_audio_sample_rate <= rate <= limits.max_audio_sample_rate:
         return (
@@ -150,9 +145,21 @@ def _audio_limits(facts: MediaFacts, limits: Limits) -> tuple[ErrorCode, str] | 
             ErrorCode.UNSUPPORTED_MEDIA_FORMAT,
             f"audio with {channels} channels is not accepted (1..{limits.max_audio_channels})",
         )
-    if facts.seconds > limits.max_audio_seconds:
-        return (
-            ErrorCode.MEDIA_TOO_LARGE,
-            f"audio is {facts.seconds:.1f} s long; the limit is {limits.max_audio_seconds:g} s",
-        )
-    return None
+    return _length_problem("audio", facts.seconds, limits.max_audio_seconds)
+
+
+def _codec_problem(
+    what: str, codec: str, allowed: tuple[str, ...] | None
+) -> tuple[ErrorCode, str] | None:
+    if allowed is None or codec in allowed:
+        return None
+    return (
+        ErrorCode.UNSUPPORTED_MEDIA_FORMAT,
+        f"{codec} {what} is not accepted ({', '.join(allowed)})",
+    )
+
+
+def _length_problem(what: str, seconds: float, limit: float) -> tuple[ErrorCode, str] | None:
+    if seconds <= limit:
+        return None
+    return ErrorCode.MEDIA_TOO_LARGE, f"{what} is {seconds:.1f} s long; the limit is {limit:g} s"

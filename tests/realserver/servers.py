@@ -15,12 +15,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from conftest import free_port
-from realserver.outcomes import wait_healthy
+from gateway_proc import GatewayProcess
+from realserver.outcomes import Table, post, post_direct, wait_healthy
 
 ZYGOTE = Path(__file__).with_name("zygote.py")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -142,3 +145,36 @@ models:
     limits: {{min_image_side: 28}}
     tokens: {{family: qwen_smart_resize, patch_size: 14, merge_size: 2}}
 """
+
+
+def gate_in_front(behind: TransformersServe, policy: str, folder: Path) -> GatewayProcess:
+    """``modalgate serve`` in front of ``behind``, with ``policy`` (YAML text)."""
+    path = folder / "policy.yaml"
+    path.write_text(policy)
+    return GatewayProcess("--upstream", behind.url, "--policy", str(path)).wait_ready()
+
+
+def run_differential(
+    model_dir: Path,
+    behind: TransformersServe,
+    gate: GatewayProcess,
+    cases: Iterable[tuple[str, dict[str, Any]]],
+) -> tuple[Table, int, bool]:
+    """Each case straight at a forked server (restarted when a case kills it) and through
+    the gate to ``behind``: the table, the direct server's restarts, and whether
+    ``behind`` is the same process, alive, at the end."""
+    direct = ForkedServe(model_dir)
+    pid = behind.process.pid
+    table = Table()
+    try:
+        with httpx.Client(timeout=120) as client:
+            for name, body in cases:
+                direct_reply = post_direct(client, direct, body)
+                gated = post(client, gate.url + "/v1/chat/completions", body, behind.alive)
+                table.add(name, direct_reply, gated)
+                if not behind.alive():
+                    break  # a bypass killed it: the rest would only repeat that
+    finally:
+        direct.stop()
+    print("\n" + table.render() + f"\ndirect restarts: {direct.restarts}")
+    return table, direct.restarts, behind.alive() and behind.process.pid == pid

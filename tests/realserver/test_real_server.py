@@ -16,7 +16,6 @@ import io
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from PIL import Image
@@ -24,8 +23,8 @@ from PIL import Image
 from gateway_proc import GatewayProcess
 from realserver.bodies import corpus
 from realserver.expected import ON_PURPOSE, reason_for
-from realserver.outcomes import Table, post, post_direct
-from realserver.servers import ForkedServe, TransformersServe, policy_text
+from realserver.outcomes import Table
+from realserver.servers import TransformersServe, gate_in_front, policy_text, run_differential
 from realserver.tiny_vlm import build_qwen2_vl
 
 DOCS = Path(__file__).parents[2] / "docs" / "conformance.md"
@@ -45,9 +44,7 @@ def behind(model_dir: Path) -> Iterator[TransformersServe]:
 
 @pytest.fixture(scope="module")
 def gate(model_dir: Path, behind: TransformersServe, tmp_path_factory) -> Iterator[GatewayProcess]:
-    policy = tmp_path_factory.mktemp("policy") / "policy.yaml"
-    policy.write_text(policy_text(model_dir))
-    process = GatewayProcess("--upstream", behind.url, "--policy", str(policy)).wait_ready()
+    process = gate_in_front(behind, policy_text(model_dir), tmp_path_factory.mktemp("policy"))
     yield process
     process.stop()
 
@@ -56,23 +53,7 @@ def gate(model_dir: Path, behind: TransformersServe, tmp_path_factory) -> Iterat
 def differential(
     model_dir: Path, behind: TransformersServe, gate: GatewayProcess
 ) -> tuple[Table, int, bool]:
-    """The whole corpus both ways: the table, the direct server's restarts, and whether
-    the server behind the gate is the same process, alive, at the end."""
-    direct = ForkedServe(model_dir)
-    pid = behind.process.pid
-    table = Table()
-    try:
-        with httpx.Client(timeout=120) as client:
-            for name, body in corpus(str(model_dir)):
-                direct_reply = post_direct(client, direct, body)
-                gated = post(client, gate.url + "/v1/chat/completions", body, behind.alive)
-                table.add(name, direct_reply, gated)
-                if not behind.alive():
-                    break  # a bypass killed it: the rest would only repeat that
-    finally:
-        direct.stop()
-    print("\n" + table.render())
-    return table, direct.restarts, behind.alive() and behind.process.pid == pid
+    return run_differential(model_dir, behind, gate, corpus(str(model_dir)))
 
 
 def test_no_body_gets_past_the_gate_to_hurt_the_server(differential):

@@ -13,14 +13,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from gateway_proc import GatewayProcess
 from realserver.bodies import corpus
 from realserver.expected import reason_for
-from realserver.outcomes import Table, post, post_direct
-from realserver.servers import ForkedServe, TransformersServe
+from realserver.outcomes import Table
+from realserver.servers import TransformersServe, gate_in_front, run_differential
 from realserver.tiny_llava import IMAGE_SIDE, IMAGE_TOKENS, PATCH, build_llava
 
 PREFIXES = ("png-", "truncated-", "format-", "jpeg-", "polyglot-")
@@ -52,9 +51,7 @@ def behind(model_dir: Path) -> Iterator[TransformersServe]:
 
 @pytest.fixture(scope="module")
 def gate(model_dir: Path, behind: TransformersServe, tmp_path_factory) -> Iterator[GatewayProcess]:
-    policy = tmp_path_factory.mktemp("policy") / "policy.yaml"
-    policy.write_text(llava_policy(model_dir))
-    process = GatewayProcess("--upstream", behind.url, "--policy", str(policy)).wait_ready()
+    process = gate_in_front(behind, llava_policy(model_dir), tmp_path_factory.mktemp("policy"))
     yield process
     process.stop()
 
@@ -64,21 +61,7 @@ def differential(
     model_dir: Path, behind: TransformersServe, gate: GatewayProcess
 ) -> tuple[Table, int, bool]:
     cases = [(name, body) for name, body in corpus(str(model_dir)) if name.startswith(PREFIXES)]
-    direct = ForkedServe(model_dir)
-    pid = behind.process.pid
-    table = Table()
-    try:
-        with httpx.Client(timeout=120) as client:
-            for name, body in cases:
-                direct_reply = post_direct(client, direct, body)
-                gated = post(client, gate.url + "/v1/chat/completions", body, behind.alive)
-                table.add(name, direct_reply, gated)
-                if not behind.alive():
-                    break
-    finally:
-        direct.stop()
-    print("\n" + table.render() + f"\ndirect restarts: {direct.restarts}")
-    return table, direct.restarts, behind.alive() and behind.process.pid == pid
+    return run_differential(model_dir, behind, gate, cases)
 
 
 def test_llava_behind_the_gate_survives_the_image_corpus(differential):
