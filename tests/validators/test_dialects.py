@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from av_media import make_audio
 
 from conformance.dialect_table import committed, render
 from conftest import b64, body, chat, data_url, image_bytes
@@ -60,7 +61,12 @@ def image(**extra: Any) -> dict[str, Any]:
 
 
 def audio(fmt: str) -> dict[str, Any]:
-    return {"type": "input_audio", "input_audio": {"data": b64(WAV_BYTES), "format": fmt}}
+    """Real audio of the named format: the format given must be the bytes' own."""
+    data = FLAC_BYTES if fmt == "flac" else WAV_BYTES
+    return {"type": "input_audio", "input_audio": {"data": b64(data), "format": fmt}}
+
+
+FLAC_BYTES = make_audio("flac", seconds=0.1)
 
 
 # (engine, request, param blamed): each refused with 400 invalid_request.

@@ -217,7 +217,8 @@ class ModalGate:
                 decider = self.strict_threaded_decider if strict else self.threaded_decider
             elif _MAY_HOLD_PNG in body or b"\\" in body or _may_hold_av(body):
                 # A PNG's pixel data is inflated: its cost is its declared size, not the
-                # body's (``inline_work``); too much of it and the body goes to a thread.
+                # body's (``inline_work``); too much of it and the body goes to a thread,
+                # as any video or audio probe does.
                 verdict = run_within(
                     validate_body, body, decider.matcher, api, decider.served, decider.dialect
                 )
