@@ -158,19 +158,29 @@ def _facts(
     first = _FirstFrame(context, skip=max_pixels > 0 and pixels > max_pixels)
     last = None
     for packet in container.demux(stream):
-        reader.check_time()
-        first.feed(packet)
-        if not packet.size:
-            continue  # the flush packet at the end
+        size = packet.size
+        if not size:
+            first.feed(packet)  # the flush packet at the end: a codec with delay may answer
+            continue
         packets += 1
+        if packets <= FIRST_FRAME_PACKETS:
+            first.feed(packet)
+        elif not packets & 255:
+            reader.check_time()
         last = packet
-        if packet.pos is not None and packet.pos >= 0 and packet.pos + packet.size > len(data):
+        pos = packet.pos
+        if pos is not None and pos >= 0 and pos + size > len(data):
             raise MediaProbeError(f"the {what} is cut short (a frame ends past the file)")
-        if packet.pts is not None:
-            start = packet.pts if start is None else min(start, packet.pts)
-            stop = packet.pts + (packet.duration or 0)
-            end = stop if end is None else max(end, stop)
-            step = packet.duration or step
+        pts = packet.pts
+        if pts is not None:
+            duration = packet.duration
+            if start is None or pts < start:
+                start = pts
+            stop = pts + (duration or 0)
+            if end is None or stop > end:
+                end = stop
+            if duration:
+                step = duration
     if packets == 0:
         raise MediaProbeError(f"the {what} holds no frames")
     base = stream.time_base or Fraction(1, 1)
