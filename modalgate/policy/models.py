@@ -117,6 +117,8 @@ class TokenSpec(_Strict):
     video_min_pixels: int | None = Field(None, gt=0)
     video_max_pixels: int | None = Field(None, gt=0)
     temporal_patch_size: int | None = Field(None, gt=0)
+    # Audio (``validators.audio_tokens.AUDIO_ESTIMATORS``); not counted in the image budgets.
+    audio_family: str | None = None
 
     @model_validator(mode="after")
     def _fixed_needs_a_count(self) -> TokenSpec:

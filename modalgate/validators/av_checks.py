@@ -15,6 +15,7 @@ from modalgate.media.av_probe import MediaFacts, MediaProbeError, probe_media
 from modalgate.media.inline_work import charge_all
 from modalgate.policy.matching import ResolvedRule
 from modalgate.policy.models import Limits
+from modalgate.validators.audio_tokens import estimate_audio_tokens
 from modalgate.validators.tokens import TokenEstimateError
 from modalgate.validators.verdict import PartDraft
 from modalgate.validators.video_tokens import estimate_video_tokens
@@ -81,6 +82,8 @@ def av_violations(
     found = _video_limits(facts, limits) if what == "video" else _audio_limits(facts, limits)
     if found is not None:
         return [_violation(found[0], part, found[1])]
+    if what == "audio" and rule.tokens is not None and facts.sample_rate:
+        part.tokens = estimate_audio_tokens(facts.seconds, facts.sample_rate, rule.tokens)
     if what == "video" and rule.tokens is not None and facts.width and facts.height:
         try:  # counted in the request's vision-token budget (``budget_violations``)
             part.tokens = estimate_video_tokens(

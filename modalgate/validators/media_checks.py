@@ -236,6 +236,7 @@ def budget_violations(
     if limit is None:
         return []
     total = 0
+    parts = [part for part in parts if part.modality != "audio"]  # vision tokens only
     for part in parts:
         total += part.tokens or 0
         if total > limit:
