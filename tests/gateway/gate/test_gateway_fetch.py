@@ -39,6 +39,8 @@ media_urls:
 models:
   - name: vision
     accepts: [image]
+  - name: watcher
+    accepts: [image, video]
 """
 
 
@@ -80,6 +82,9 @@ def media() -> Iterator[Recorder]:
         "/video-as-png": lambda h: send_body(h, MP4_BYTES, "image/png"),
         "/garbage.png": lambda h: send_body(h, b"not an image at all"),
         "/a.pdf": lambda h: send_body(h, PDF_BYTES, "application/pdf"),
+        "/a.mp4": lambda h: send_body(h, MP4_BYTES, "video/mp4"),
+        "/cut.mp4": lambda h: send_body(h, MP4_BYTES[:-64], "video/mp4"),
+        "/mp4-as-webm": lambda h: send_body(h, MP4_BYTES, "video/webm"),
         "/to-foo-bar": _redirect("foo:bar"),
         "/to-data": _redirect("data:image/png;base64,iVBORw0KGgo="),
     }
@@ -135,6 +140,38 @@ def test_fetched_bytes_get_the_inline_checks(inline_url, media, path, status, co
     assert response.status_code == status
     error = response.json()["error"]
     assert (error["code"], error["param"]) == (code, "messages.[0].content.[0].image_url.url")
+
+
+def video_part(url: str) -> dict:
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+def test_a_fetched_video_is_probed_and_inlined(inline_url, media):
+    response = post(inline_url, chat(video_part(media.base + "/a.mp4"), model="watcher"))
+    assert response.status_code == 200, response.text
+    echoed = response.json()
+    forwarded = orjson.loads(echoed["body"])
+    url = forwarded["messages"][0]["content"][0]["video_url"]["url"]
+    assert pybase64.b64decode(url.split(",", 1)[1]) == MP4_BYTES  # checked bytes, inline
+    [part] = echoed["media"]
+    assert (part["format"], part["width"], part["height"], part["frames"]) == ("mp4", 16, 16, 2)
+
+
+@pytest.mark.parametrize(
+    ("path", "code", "message"),
+    [
+        ("/cut.mp4", "invalid_media",
+         "the MP4 video is not whole: it is cut short (its last box, moov, ends past the data)"),
+        ("/mp4-as-webm", "modality_mismatch",
+         "the format is given as 'video/webm' but the data is MP4"),
+    ],
+)  # fmt: skip
+def test_a_fetched_video_gets_the_inline_checks(inline_url, media, path, code, message):
+    response = post(inline_url, chat(video_part(media.base + path), model="watcher"))
+    at = "messages.[0].content.[0].video_url.url"
+    error = response.json()["error"]
+    assert (response.status_code, error["code"], error["param"]) == (400, code, at)
+    assert error["message"] == f"{at}: {message}"
 
 
 def test_refused_host_is_never_fetched(inline_url, media):
