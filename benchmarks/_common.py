@@ -8,6 +8,7 @@ together with their spread (min..max over rounds).
 
 from __future__ import annotations
 
+import argparse
 import io
 import os
 import platform
@@ -153,6 +154,19 @@ def print_rounds(result: Rounds, label_a: str, label_b: str, elapsed: float) -> 
 def best(function: Callable[[], object], reps: int) -> float:
     """The fastest of ``reps`` calls, in seconds: the one least disturbed by the machine."""
     return min(time_call(function) for _ in range(reps))
+
+
+def begin(name: str, doc: str, **more: str) -> argparse.Namespace:
+    """The opening every benchmark prints: ``--quick`` (and the flags in ``more``, each
+    ``--flag``: help) parsed, its name and the machine line."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run")
+    for flag, help_text in more.items():
+        parser.add_argument(f"--{flag}", action="store_true", help=help_text)
+    args = parser.parse_args()
+    print(f"== {name}")
+    print(machine_line())
+    return args
 
 
 def machine_line() -> str:

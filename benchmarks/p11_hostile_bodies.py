@@ -25,7 +25,6 @@ Usage: .venv/bin/python benchmarks/p11_hostile_bodies.py [--quick] [--memory]
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import io
 import json
@@ -37,7 +36,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from _common import data_url, machine_line, result_line, spread, table, time_call
+from _common import begin, data_url, result_line, spread, table, time_call
 from PIL import Image
 
 from modalgate.gateway.gate.middleware import ModalGate
@@ -227,12 +226,7 @@ def peak_rss_multiple(kind: str) -> tuple[float, bool]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run")
-    parser.add_argument("--memory", action="store_true", help="also the 30 MB peak-RSS check")
-    args = parser.parse_args()
-    print(f"== {NAME}")
-    print(machine_line())
+    args = begin(NAME, __doc__, memory="also the 30 MB peak-RSS check")
     matcher = RuleMatcher(load_policy(), None)
     vllm = dialect_for(EngineSpec(name="vllm"))
     bodies = {**{("hostile", k): v for k, v in hostile().items()},

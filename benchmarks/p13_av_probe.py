@@ -17,17 +17,14 @@ Usage: .venv/bin/python benchmarks/p13_av_probe.py [--quick]
 
 from __future__ import annotations
 
-import argparse
-import io
 import statistics
 import sys
 from pathlib import Path
 
-import av
-from _common import best, machine_line, result_line, table
+from _common import begin, best, result_line, table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from av_media import make_audio, make_video
+from av_media import decode_all, make_audio, make_video
 
 from modalgate.media.av_probe import probe_media
 from modalgate.media.sniff import SNIFF_BYTES, sniff
@@ -50,17 +47,8 @@ def media(quick: bool) -> list[tuple[str, bytes, str]]:
     ]
 
 
-def decode_all(data: bytes) -> int:
-    with av.open(io.BytesIO(data)) as container:
-        return sum(1 for _ in container.decode(*container.streams))
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run")
-    args = parser.parse_args()
-    print(f"== {NAME}")
-    print(machine_line())
+    args = begin(NAME, __doc__)
     reps = 3 if args.quick else 7
     rows, ratios = [], []
     for label, data, modality in media(args.quick):

@@ -23,14 +23,13 @@ Usage: .venv/bin/python benchmarks/png_pixel_check.py [--quick]
 
 from __future__ import annotations
 
-import argparse
 import io
 import statistics
 import zlib
 from collections.abc import Callable
 
 import numpy as np
-from _common import best, machine_line, result_line, table
+from _common import begin, best, result_line, table
 from PIL import Image
 from zlib_ng import zlib_ng
 
@@ -108,11 +107,7 @@ def idat_stream(data: bytes) -> bytes:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run")
-    args = parser.parse_args()
-    print(f"== {NAME}")
-    print(machine_line())
+    args = begin(NAME, __doc__)
     reps = 3 if args.quick else 7
     decoders = server_decoders()
     server = "torchvision" if "torchvision" in decoders else "Pillow"

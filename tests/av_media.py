@@ -97,3 +97,9 @@ def make_audio(
         for packet in stream.encode():
             out.mux(packet)
     return buffer.getvalue()
+
+
+def decode_all(data: bytes) -> int:
+    """Every frame of every stream, through PyAV as a server's loader reads it."""
+    with av.open(io.BytesIO(data)) as container:
+        return sum(1 for _ in container.decode(*container.streams))

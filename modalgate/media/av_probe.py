@@ -90,15 +90,15 @@ class _BudgetedReader:
         chunk = self._view[self._at : end]
         self._at = end
         self._read_left -= len(chunk)
-        if self._read_left < 0 or time.monotonic() > self._deadline:
+        if self._read_left < 0:
             raise _OverBudget
+        self.check_time()
         return bytes(chunk)
 
     def seek(self, offset: int, whence: int = 0) -> int:
         base = (0, self._at, len(self._view))[whence]
         self._at = max(0, min(len(self._view), base + offset))
-        if time.monotonic() > self._deadline:
-            raise _OverBudget
+        self.check_time()
         return self._at
 
     def tell(self) -> int:
@@ -113,10 +113,9 @@ def probe_media(data: bytes, fmt: str, modality: str, max_pixels: int = 0) -> Me
     """The facts of the first ``modality`` stream ("video" or "audio") of ``data``, read
     as ``fmt``; raise MediaProbeError where it is not a whole file of that kind. A video
     whose frames are over ``max_pixels`` is not decoded (its facts say why it is refused)."""
-    what = "video" if modality == "video" else "audio"
     problem = end_problem(data, fmt)
     if problem is not None:
-        raise MediaProbeError(f"the {fmt.upper()} {what} is not whole: {problem}")
+        raise MediaProbeError(f"the {fmt.upper()} {modality} is not whole: {problem}")
     reader = _BudgetedReader(data)
     try:
         with av.open(
@@ -124,13 +123,15 @@ def probe_media(data: bytes, fmt: str, modality: str, max_pixels: int = 0) -> Me
         ) as container:
             return _facts(container, reader, data, fmt, modality, max_pixels)
     except _OverBudget:
-        raise MediaProbeError(f"the {what} takes too long to read (its structure loops)") from None
+        raise MediaProbeError(
+            f"the {modality} takes too long to read (its structure loops)"
+        ) from None
     except MediaProbeError:
         raise
     except (av.FFmpegError, EOFError, OSError, ValueError, IndexError, OverflowError):
         # FFmpeg's messages name its internals; the client is told what, not how.
         raise MediaProbeError(
-            f"the data cannot be read as {fmt.upper()} {what} (damaged or cut short)"
+            f"the data cannot be read as {fmt.upper()} {modality} (damaged or cut short)"
         ) from None
 
 
@@ -143,12 +144,11 @@ def _facts(
     max_pixels: int,
 ) -> MediaFacts:
     streams = container.streams.video if modality == "video" else container.streams.audio
-    what = "video" if modality == "video" else "audio"
     if not streams:
-        raise MediaProbeError(f"the {fmt.upper()} file holds no {what} stream")
+        raise MediaProbeError(f"the {fmt.upper()} file holds no {modality} stream")
     stream = streams[0]
     if stream.codec_context is None:  # no decoder for it, or its parameters are unreadable
-        raise MediaProbeError(f"the {what} stream's codec cannot be decoded")
+        raise MediaProbeError(f"the {modality} stream's codec cannot be decoded")
     context = stream.codec_context
     codec = context.codec.canonical_name  # h264, not the decoder's name (libdav1d for av1)
     pixels = (context.width or 0) * (context.height or 0) if modality == "video" else 0
@@ -170,7 +170,7 @@ def _facts(
         last = packet
         pos = packet.pos
         if pos is not None and pos >= 0 and pos + size > len(data):
-            raise MediaProbeError(f"the {what} is cut short (a frame ends past the file)")
+            raise MediaProbeError(f"the {modality} is cut short (a frame ends past the file)")
         pts = packet.pts
         if pts is not None:
             duration = packet.duration
@@ -182,23 +182,23 @@ def _facts(
             if duration:
                 step = duration
     if packets == 0:
-        raise MediaProbeError(f"the {what} holds no frames")
+        raise MediaProbeError(f"the {modality} holds no frames")
     base = stream.time_base or Fraction(1, 1)
     seconds = float((end - start) * base) if start is not None and end is not None else 0.0
     if declared_frames is not None and packets < declared_frames:
         raise MediaProbeError(
-            f"the {what} declares {declared_frames} frames but holds {packets} (cut short,"
+            f"the {modality} declares {declared_frames} frames but holds {packets} (cut short,"
             " or its frame count is false)",
         )
     slack = 0.5 * float(step * base) if step else 0.0
     if declared_seconds is not None and seconds < declared_seconds * 0.99 - slack - 0.001:
         raise MediaProbeError(
-            f"the {what} declares {declared_seconds:.3f} s but holds {seconds:.3f} s (cut"
+            f"the {modality} declares {declared_seconds:.3f} s but holds {seconds:.3f} s (cut"
             " short, or its duration is false)",
         )
     if not first.decoded:
         raise MediaProbeError(
-            f"the {what}'s first frame cannot be decoded (its codec data is damaged)"
+            f"the {modality}'s first frame cannot be decoded (its codec data is damaged)"
         )
     if modality == "audio" and packets > 1 and not _decodes(stream.codec_context, last):
         # Audio frames decode alone; a bare stream's (FLAC's) last one may be cut short.

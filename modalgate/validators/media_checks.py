@@ -236,11 +236,11 @@ def budget_violations(
     if limit is None:
         return []
     total = 0
-    parts = [part for part in parts if part.modality != "audio"]  # vision tokens only
-    for part in parts:
+    vision = [part for part in parts if part.modality != "audio"]  # audio tokens aside
+    for part in vision:
         total += part.tokens or 0
         if total > limit:
-            grand_total = sum(p.tokens or 0 for p in parts)
+            grand_total = sum(p.tokens or 0 for p in vision)
             return [
                 _violation(
                     ErrorCode.TOO_MANY_IMAGE_TOKENS,

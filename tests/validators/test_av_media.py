@@ -15,7 +15,7 @@ import struct
 
 import av
 import pytest
-from av_media import AUDIO_KINDS, VIDEO_KINDS, make_audio, make_video
+from av_media import AUDIO_KINDS, VIDEO_KINDS, decode_all, make_audio, make_video
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -370,12 +370,6 @@ def test_a_video_part_is_never_judged_under_the_loops_allowance(videos, matcher)
 
 
 # ---------------------------------------------------------------- accepted means decodable
-
-
-def decode_all(data: bytes) -> int:
-    """Every frame of every stream, through PyAV as a server's loader reads it."""
-    with av.open(io.BytesIO(data)) as container:
-        return sum(1 for _ in container.decode(*container.streams))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

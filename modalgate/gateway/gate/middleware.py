@@ -58,15 +58,14 @@ INLINE_ANY_SHAPE_BYTES = 1024
 # could spell it otherwise, so a body with a backslash is treated alike.
 _MAY_HOLD_PNG = b"iVBORw0KGg"
 VERDICT_STATE_KEY = "modalgate_verdict"
-# Every video or audio part's type or key names it (``video_url``, ``input_audio``, ...):
-# FFmpeg probes it, which is never cheap enough for the loop (``inline_work.charge_all``).
-_AV_WORDS = (b"video", b"audio")
 ROUTED_TO_HEADER = b"x-modalgate-routed-to"  # set when a fallback chose another model
 T = TypeVar("T")
 
 
 def _may_hold_av(body: bytes) -> bool:
-    return _AV_WORDS[0] in body or _AV_WORDS[1] in body
+    """Every video or audio part's type or key names it (``video_url``, ``input_audio``):
+    FFmpeg probes it, never cheap enough for the loop (``inline_work.charge_all``)."""
+    return b"video" in body or b"audio" in body
 
 
 class ModalGate:
