@@ -36,6 +36,7 @@ class ErrorCode(str, Enum):
     INVALID_MEDIA = "invalid_media"
     UNSUPPORTED_MEDIA_FORMAT = "unsupported_media_format"
     MEDIA_TOO_LARGE = "media_too_large"
+    MEDIA_TOO_SMALL = "media_too_small"
     URL_NOT_ALLOWED = "url_not_allowed"
     MEDIA_FETCH_FAILED = "media_fetch_failed"
     ENCODER_OVERLOADED = "encoder_overloaded"
@@ -73,6 +74,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_MEDIA: 400,
     ErrorCode.UNSUPPORTED_MEDIA_FORMAT: 400,
     ErrorCode.MEDIA_TOO_LARGE: 400,
+    ErrorCode.MEDIA_TOO_SMALL: 400,
     ErrorCode.URL_NOT_ALLOWED: 400,
     ErrorCode.MEDIA_FETCH_FAILED: 400,
     ErrorCode.ENCODER_OVERLOADED: 503,

@@ -382,6 +382,14 @@ EXAMPLES: dict[str, list[Producer]] = {
             policy="extends: builtin\nlimits: {max_audio_seconds: 0.5}\n",
         ),
     ],
+    "media_too_small": [
+        lambda lab: lab.validate(
+            chat(video_part(make_video("mp4", frames=1)), model="Qwen/Qwen3-VL-8B-Instruct")
+        ),
+        lambda lab: lab.validate(
+            chat(audio_part(make_audio("wav", seconds=0.01)), model="Qwen/Qwen3-Omni-30B-A3B")
+        ),
+    ],
     "too_many_image_tokens": [
         lambda lab: lab.validate(
             chat(TEXT, image_part(data_url(image_bytes(size=(3000, 2000)))), model=QWEN),

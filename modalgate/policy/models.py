@@ -70,6 +70,7 @@ class Limits(_Strict):
     video_codecs: tuple[str, ...] | None = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg")
     max_video_seconds: float = Field(600.0, gt=0)
     max_video_frames: int = Field(36_000, gt=0)  # ten minutes at 60 fps
+    min_video_frames: int = Field(1, gt=0)  # a processor that groups frames may need more
     max_video_pixels: int = Field(4096 * 2160, gt=0)  # per frame
     audio_formats: tuple[AudioFormat, ...] = ("wav", "flac", "ogg", "mp3", "m4a", "aac")
     audio_codecs: tuple[str, ...] | None = None
@@ -119,6 +120,7 @@ class TokenSpec(_Strict):
     temporal_patch_size: int | None = Field(None, gt=0)
     # Audio (``validators.audio_tokens.AUDIO_ESTIMATORS``); not counted in the image budgets.
     audio_family: str | None = None
+    audio_window_seconds: float | None = Field(None, gt=0)  # the feature extractor's chunk
 
     @model_validator(mode="after")
     def _fixed_needs_a_count(self) -> TokenSpec:

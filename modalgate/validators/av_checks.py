@@ -83,11 +83,14 @@ def av_violations(
     if found is not None:
         return [_violation(found[0], part, found[1])]
     if what == "audio" and rule.tokens is not None and facts.sample_rate:
-        part.tokens = estimate_audio_tokens(facts.seconds, facts.sample_rate, rule.tokens)
+        try:
+            part.tokens = estimate_audio_tokens(facts.seconds, facts.sample_rate, rule.tokens)
+        except TokenEstimateError as exc:
+            return [_violation(ErrorCode.MEDIA_TOO_SMALL, part, str(exc))]
     if what == "video" and rule.tokens is not None and facts.width and facts.height:
         try:  # counted in the request's vision-token budget (``budget_violations``)
             part.tokens = estimate_video_tokens(
-                facts.width, facts.height, facts.packets, rule.tokens
+                facts.width, facts.height, facts.packets, facts.frame_rate, rule.tokens
             )
         except TokenEstimateError as exc:
             return [_violation(ErrorCode.UNSUPPORTED_IMAGE_SHAPE, part, str(exc))]
@@ -124,6 +127,12 @@ def _video_limits(facts: MediaFacts, limits: Limits) -> tuple[ErrorCode, str] | 
         )
     if width == 0 or height == 0:
         return ErrorCode.INVALID_MEDIA, "the video's frame size is missing"
+    if facts.packets < limits.min_video_frames:
+        return (
+            ErrorCode.MEDIA_TOO_SMALL,
+            f"video has {facts.packets} frame{'s' if facts.packets > 1 else ''}; this model"
+            f" needs at least {limits.min_video_frames}",
+        )
     if facts.packets > limits.max_video_frames:
         return (
             ErrorCode.MEDIA_TOO_LARGE,

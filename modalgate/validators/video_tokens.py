@@ -1,28 +1,47 @@
-"""Vision tokens of a video from its frame size and its counted frames alone.
+"""Vision tokens of a video from its frame size, counted frames and frame rate alone.
 
-Qwen2-VL's and Qwen2.5-VL's video processor (transformers ``Qwen2VLVideoProcessor``,
-class defaults: every frame kept, ``do_sample_frames`` off) resizes each frame with the
-image's ``smart_resize`` within the video's own pixel bounds, pads the frame count to
-a multiple of the temporal patch, and writes one token per merged patch of each
-frame pair. Checked against the processor on real frames in
+Two processors of transformers, each at its class defaults:
+
+- ``Qwen2VLVideoProcessor`` (Qwen2-VL, Qwen2.5-VL, and the Omni models, whose
+  processors pass their own pixel bounds): every frame kept (``do_sample_frames``
+  off), each resized with the image's ``smart_resize`` within the video's pixel
+  bounds, the count padded to a multiple of the temporal patch, one token per merged
+  patch of each frame pair.
+- ``Qwen3VLVideoProcessor`` (Qwen3-VL): frames sampled at 2 per second of the
+  stream's average rate (at least 4, at most 768 and the frame count), then one
+  ``smart_resize`` over the whole volume (frames x height x width within the pixel
+  bounds), without the per-frame cap (``cap_pixels_per_frame`` unset, as it is by
+  default in 5.25). It refuses a clip that samples fewer frames than the temporal
+  patch, so the policy's ``min_video_frames`` refuses it first.
+
+Both are checked against the processors on real frames in
 ``tests/validators/test_video_tokens.py``. A server that samples frames itself (vLLM's
 loaders: ``num_frames``, ``fps``) writes fewer: the estimate is then an upper bound.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from modalgate.policy.models import TokenSpec
-from modalgate.validators.tokens import qwen_smart_resize_tokens
+from modalgate.validators.tokens import QWEN_MAX_ASPECT, TokenEstimateError, qwen_smart_resize_tokens
 
 # Qwen2VLVideoProcessor's class defaults.
 QWEN_VIDEO_MIN_PIXELS = 128 * 28 * 28
 QWEN_VIDEO_MAX_PIXELS = 768 * 28 * 28
 QWEN_TEMPORAL_PATCH = 2
+# Qwen3VLVideoProcessor's class defaults.
+QWEN3_VIDEO_MIN_PIXELS = 128 * 32 * 32
+QWEN3_VIDEO_MAX_PIXELS = 768 * 32 * 32
+QWEN3_SAMPLE_FPS = 2
+QWEN3_MIN_FRAMES, QWEN3_MAX_FRAMES = 4, 768
+QWEN3_UNKNOWN_RATE = 24  # what the processor assumes when the stream gives none
 
 
-def qwen2_vl_video_tokens(width: int, height: int, frames: int, spec: TokenSpec) -> int:
+def qwen2_vl_video_tokens(
+    width: int, height: int, frames: int, frame_rate: float | None, spec: TokenSpec
+) -> int:
     frame_spec = spec.model_copy(
         update={
             "min_pixels": spec.video_min_pixels or QWEN_VIDEO_MIN_PIXELS,
@@ -33,11 +52,51 @@ def qwen2_vl_video_tokens(width: int, height: int, frames: int, spec: TokenSpec)
     return -(-frames // temporal) * qwen_smart_resize_tokens(width, height, frame_spec)
 
 
-VideoEstimator = Callable[[int, int, int, TokenSpec], int]
-VIDEO_ESTIMATORS: dict[str, VideoEstimator] = {"qwen2_vl_video": qwen2_vl_video_tokens}
+def qwen3_vl_sampled_frames(frames: int, frame_rate: float | None) -> int:
+    """``Qwen3VLVideoProcessor.sample_frames``' count at its default 2 fps."""
+    wanted = int(frames / (frame_rate or QWEN3_UNKNOWN_RATE) * QWEN3_SAMPLE_FPS)
+    return min(max(wanted, QWEN3_MIN_FRAMES), QWEN3_MAX_FRAMES, frames)
 
 
-def estimate_video_tokens(width: int, height: int, frames: int, spec: TokenSpec) -> int | None:
+def qwen3_vl_video_tokens(
+    width: int, height: int, frames: int, frame_rate: float | None, spec: TokenSpec
+) -> int:
+    temporal = spec.temporal_patch_size or QWEN_TEMPORAL_PATCH
+    sampled = qwen3_vl_sampled_frames(frames, frame_rate)
+    if sampled < temporal:
+        raise TokenEstimateError(f"the video needs at least {temporal} frames")
+    patch, merge = spec.patch_size or 16, spec.merge_size or 2
+    factor = patch * merge
+    min_pixels = spec.video_min_pixels or QWEN3_VIDEO_MIN_PIXELS
+    max_pixels = spec.video_max_pixels or QWEN3_VIDEO_MAX_PIXELS
+    if height < factor or width < factor:  # scaled up first, truncated as the processor does
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > QWEN_MAX_ASPECT:
+        raise TokenEstimateError(f"video aspect ratio must be at most {QWEN_MAX_ASPECT}:1")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(sampled / temporal) * temporal
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(sampled * height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (sampled * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return -(-sampled // temporal) * (h_bar // factor) * (w_bar // factor)
+
+
+VideoEstimator = Callable[[int, int, int, float | None, TokenSpec], int]
+VIDEO_ESTIMATORS: dict[str, VideoEstimator] = {
+    "qwen2_vl_video": qwen2_vl_video_tokens,
+    "qwen3_vl_video": qwen3_vl_video_tokens,
+}
+
+
+def estimate_video_tokens(
+    width: int, height: int, frames: int, frame_rate: float | None, spec: TokenSpec
+) -> int | None:
     """The spec's video family's estimate, or ``None`` where it names none."""
     estimator = VIDEO_ESTIMATORS.get(spec.video_family or "")
-    return None if estimator is None else estimator(width, height, frames, spec)
+    return None if estimator is None else estimator(width, height, frames, frame_rate, spec)

@@ -56,6 +56,7 @@ SHADOWABLE = frozenset(
         ErrorCode.INVALID_MEDIA,
         ErrorCode.UNSUPPORTED_MEDIA_FORMAT,
         ErrorCode.MEDIA_TOO_LARGE,
+        ErrorCode.MEDIA_TOO_SMALL,
     }
 )
 MAX_HEADER_VIOLATIONS = 8
