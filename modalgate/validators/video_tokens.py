@@ -25,7 +25,11 @@ import math
 from collections.abc import Callable
 
 from modalgate.policy.models import TokenSpec
-from modalgate.validators.tokens import QWEN_MAX_ASPECT, TokenEstimateError, qwen_smart_resize_tokens
+from modalgate.validators.tokens import (
+    QWEN_MAX_ASPECT,
+    TokenEstimateError,
+    qwen_smart_resize_tokens,
+)
 
 # Qwen2VLVideoProcessor's class defaults.
 QWEN_VIDEO_MIN_PIXELS = 128 * 28 * 28

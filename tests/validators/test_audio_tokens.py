@@ -18,10 +18,10 @@ import pytest
 import torch
 import transformers
 from av_media import make_audio
-from transformers.models.qwen2_5_omni import processing_qwen2_5_omni
-from transformers.models.qwen3_omni_moe import processing_qwen3_omni_moe
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers.models.qwen2_5_omni import processing_qwen2_5_omni
+from transformers.models.qwen3_omni_moe import processing_qwen3_omni_moe
 
 from conftest import b64, body, chat
 from modalgate.policy import RuleMatcher, load_policy

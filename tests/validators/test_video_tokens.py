@@ -18,10 +18,10 @@ import av
 import numpy as np
 import pytest
 import transformers
-from transformers.video_utils import VideoMetadata
 from av_media import make_video
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers.video_utils import VideoMetadata
 
 from conftest import body, chat, data_url
 from modalgate.policy import RuleMatcher, load_policy, parse_policy
