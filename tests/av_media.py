@@ -103,3 +103,32 @@ def decode_all(data: bytes) -> int:
     """Every frame of every stream, through PyAV as a server's loader reads it."""
     with av.open(io.BytesIO(data)) as container:
         return sum(1 for _ in container.decode(*container.streams))
+
+
+def cut_points(data: bytes) -> list[int]:
+    """Every structural boundary of ``data`` (box, chunk, page starts), each with its
+    neighbours, and byte strides between them."""
+    marks = {0, len(data)}
+    for signature in (
+        b"moov",
+        b"mdat",
+        b"ftyp",
+        b"free",
+        b"trak",
+        b"LIST",
+        b"idx1",
+        b"data",
+        b"fmt ",
+        b"OggS",
+        b"\x1f\x43\xb6\x75",
+        b"\x1c\x53\xbb\x6b",
+        b"fLaC",
+    ):
+        start = data.find(signature)
+        while start >= 0:
+            marks.add(max(start - 4, 0))
+            marks.add(start)
+            start = data.find(signature, start + 1)
+    cuts = {c + d for c in marks for d in (-1, 0, 1, 8)}
+    cuts.update(range(1, len(data), max(1, len(data) // 97)))
+    return sorted(c for c in cuts if 0 < c < len(data))  # fmt: skip

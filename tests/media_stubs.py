@@ -53,14 +53,15 @@ def png_rows(width: int, height: int, channels: int = 3, row_filter: int = 0) ->
 # A real two-frame 16x16 H.264 MP4 (PyAV), and a minimal real WAV: both whole files
 # that FFmpeg reads to their end (``media.av_probe``).
 MP4_BYTES = make_video("mp4", frames=2, width=16, height=16)
+_WAV_SAMPLES = 1600  # 0.2 s at 8 kHz: long enough to make audio tokens
 WAV_BYTES = (
     b"RIFF"
-    + struct.pack("<I", 36 + 8)
+    + struct.pack("<I", 36 + 2 * _WAV_SAMPLES)
     + b"WAVEfmt "
     + struct.pack("<IHHIIHH", 16, 1, 1, 8000, 16000, 2, 16)
     + b"data"
-    + struct.pack("<I", 8)
-    + b"\x00" * 8
+    + struct.pack("<I", 2 * _WAV_SAMPLES)
+    + b"\x00" * (2 * _WAV_SAMPLES)
 )
 PDF_BYTES = b"%PDF-1.4\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF\n"
 

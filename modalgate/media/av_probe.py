@@ -1,17 +1,20 @@
 """Video and audio facts from FFmpeg's own demuxers (PyAV): container, streams, length.
 
 A server loads a video by asking its container how many frames and seconds it holds,
-then seeks to the frames it samples; a file that declares more than it holds, or
-whose index points past its end, fails there (a 500, or a decode error deep in the
-model's preprocessing). So the probe reads what the container declares, then demuxes
-every packet of the stream it judges (no decoding: packets are read, not decoded)
-and counts what is really there, and decodes the stream's first frame only, so codec
-data that is not what the container says is caught too.
+then decodes the frames it samples; a file that declares more than it holds, whose
+index points past its end, or whose coded data is damaged anywhere fails there (a 500,
+or a decode error deep in the model's preprocessing). So the probe reads what the
+container declares, demuxes every packet of the stream it judges and counts what is
+really there, and decodes every packet as it goes (``verify``, the default: damage in
+any frame is found here; a clip whose packets decode to fewer frames is refused). With
+``verify`` off it decodes the first frame only (and an audio stream's last), so codec
+data that is not what the container says is still caught, at a fraction of the cost.
 
 The demuxer is the one the sniffed format names (``DEMUXERS``), not FFmpeg's own
 guess: the bytes were judged to be that format, and are read as that format. It
 reads through a callback that holds it to a time and a read budget
-(``PROBE_SECONDS``, ``READ_BUDGET``), so a hostile container cannot make it loop.
+(``PROBE_SECONDS``, ``READ_BUDGET``; decoding earns time by the pixels or samples it
+decodes), so a hostile container cannot make it loop.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from fractions import Fraction
 
 import av
 
-from modalgate.media.container_walk import end_problem
+from modalgate.media.container_walk import end_problem, ogg_final_granule
 
 # The sniffed format (``media.sniff``) -> FFmpeg's demuxer for it.
 DEMUXERS = {
@@ -40,6 +43,8 @@ DEMUXERS = {
     "mp3": "mp3",
     "aac": "aac",
 }
+# Audio files that are frames back to back, with no container to say where each is.
+BARE_STREAMS = frozenset(("mp3", "aac", "flac"))
 # Wall time and bytes read (as a multiple of the file, plus a constant) one probe may take.
 PROBE_SECONDS = 2.0
 READ_BUDGET = 4
@@ -51,6 +56,11 @@ _OPEN = {"analyzeduration": "0", "probesize": "32768"}
 _OPEN_PCM = {"analyzeduration": "0", "probesize": "4096"}
 # Packets fed to the decoder to get the first frame out (codecs with delay need a few).
 FIRST_FRAME_PACKETS = 32
+# Time a verifying probe earns per decoded pixel and sample: a tenth of what one core
+# decodes (H.264 at ~200 Mpixel/s, PCM and FLAC at ~50 Msample/s), so a real clip never
+# runs out and a hostile one runs out soon after the work it has earned.
+VERIFY_PIXELS_PER_SECOND = 20e6
+VERIFY_SAMPLES_PER_SECOND = 5e6
 
 
 class MediaProbeError(ValueError):
@@ -74,6 +84,7 @@ class MediaFacts:
     frame_rate: float | None = None
     sample_rate: int | None = None
     channels: int | None = None
+    decoded_samples: int | None = None  # audio, verified: what a loader gets, priming trimmed
 
 
 class _BudgetedReader:
@@ -108,11 +119,17 @@ class _BudgetedReader:
         if time.monotonic() > self._deadline:
             raise _OverBudget
 
+    def earn(self, seconds: float) -> None:
+        self._deadline += seconds
 
-def probe_media(data: bytes, fmt: str, modality: str, max_pixels: int = 0) -> MediaFacts:
+
+def probe_media(
+    data: bytes, fmt: str, modality: str, max_pixels: int = 0, verify: bool = True
+) -> MediaFacts:
     """The facts of the first ``modality`` stream ("video" or "audio") of ``data``, read
-    as ``fmt``; raise MediaProbeError where it is not a whole file of that kind. A video
-    whose frames are over ``max_pixels`` is not decoded (its facts say why it is refused)."""
+    as ``fmt``; raise MediaProbeError where it is not a whole file of that kind, or
+    (``verify``) where any of its frames does not decode. A video whose frames are over
+    ``max_pixels`` is not decoded (its facts say why it is refused)."""
     problem = end_problem(data, fmt)
     if problem is not None:
         raise MediaProbeError(f"the {fmt.upper()} {modality} is not whole: {problem}")
@@ -121,7 +138,7 @@ def probe_media(data: bytes, fmt: str, modality: str, max_pixels: int = 0) -> Me
         with av.open(
             reader, format=DEMUXERS[fmt], mode="r", options=_OPEN_PCM if fmt == "wav" else _OPEN
         ) as container:
-            return _facts(container, reader, data, fmt, modality, max_pixels)
+            return _facts(container, reader, data, fmt, modality, max_pixels, verify)
     except _OverBudget:
         raise MediaProbeError(
             f"the {modality} takes too long to read (its structure loops)"
@@ -142,6 +159,7 @@ def _facts(
     fmt: str,
     modality: str,
     max_pixels: int,
+    verify: bool,
 ) -> MediaFacts:
     streams = container.streams.video if modality == "video" else container.streams.audio
     if not streams:
@@ -155,22 +173,35 @@ def _facts(
     declared_frames = stream.frames or None
     declared_seconds = _declared_seconds(container, stream)
     packets, start, end, step = 0, None, None, None
-    first = _FirstFrame(context, skip=max_pixels > 0 and pixels > max_pixels)
+    bare, follows = fmt in BARE_STREAMS, None
+    opus_samples = 0 if fmt == "ogg" and codec == "opus" else None
+    skip = max_pixels > 0 and pixels > max_pixels
+    frames = _FrameCheck(context, reader, modality, skip=skip, every=verify)
     last = None
     for packet in container.demux(stream):
         size = packet.size
         if not size:
-            first.feed(packet)  # the flush packet at the end: a codec with delay may answer
+            frames.feed(packet)  # the flush packet at the end: a codec with delay may answer
             continue
         packets += 1
-        if packets <= FIRST_FRAME_PACKETS:
-            first.feed(packet)
-        elif not packets & 255:
+        if verify or packets <= FIRST_FRAME_PACKETS:
+            frames.feed(packet)
+        if not packets & 255:
             reader.check_time()
         last = packet
+        if opus_samples is not None:
+            opus_samples += _opus_packet_samples(bytes(packet))
         pos = packet.pos
-        if pos is not None and pos >= 0 and pos + size > len(data):
-            raise MediaProbeError(f"the {modality} is cut short (a frame ends past the file)")
+        if pos is not None and pos >= 0:
+            if pos + size > len(data):
+                raise MediaProbeError(f"the {modality} is cut short (a frame ends past the file)")
+            if bare and follows is not None and pos != follows:
+                # The demuxer resyncs past what is not a frame; libmpg123 and libFLAC
+                # recover otherwise, so the two would not hear the same clip.
+                raise MediaProbeError(
+                    f"the {fmt.upper()} audio has bytes between its frames (it is damaged)"
+                )
+            follows = pos + size
         pts = packet.pts
         if pts is not None:
             duration = packet.duration
@@ -196,11 +227,27 @@ def _facts(
             f"the {modality} declares {declared_seconds:.3f} s but holds {seconds:.3f} s (cut"
             " short, or its duration is false)",
         )
-    if not first.decoded:
+    if opus_samples is not None and len(container.streams) == 1:
+        # RFC 7845: the last page's granule (samples at 48 kHz, pre-skip included) can trim
+        # the packets' samples, never add to them; libsndfile refuses a file that does.
+        granule = ogg_final_granule(data)
+        if granule is not None and granule > opus_samples:
+            raise MediaProbeError(
+                "the Ogg Opus audio's last page counts more samples than its packets hold"
+            )
+    if not frames.first_decoded:
         raise MediaProbeError(
             f"the {modality}'s first frame cannot be decoded (its codec data is damaged)"
         )
-    if modality == "audio" and packets > 1 and not _decodes(stream.codec_context, last):
+    if verify and not skip and frames.decoded < packets - (modality == "audio"):
+        # (audio: an encoder's priming may fill a whole first frame, which is dropped)
+        raise MediaProbeError(
+            f"the {modality} holds {packets} frames but {frames.decoded} decode (its data is"
+            " damaged)"
+        )
+    if verify and modality == "audio" and frames.samples == 0:
+        raise MediaProbeError("the audio's frames decode to no samples (its data is damaged)")
+    if not verify and modality == "audio" and packets > 1 and not _decodes(context, last):
         # Audio frames decode alone; a bare stream's (FLAC's) last one may be cut short.
         raise MediaProbeError("the audio's last frame is cut short or damaged")
     if modality == "video":
@@ -213,7 +260,19 @@ def _facts(
     return MediaFacts(
         fmt, codec, seconds, declared_seconds, packets, declared_frames,
         sample_rate=context.sample_rate, channels=context.channels,
+        decoded_samples=frames.samples if verify else None,
     )  # fmt: skip
+
+
+# RFC 6716 3.1: a packet's TOC byte names its frames' length (config = toc >> 3), in
+# samples at 48 kHz: SILK 10/20/40/60 ms, hybrid 10/20 ms, CELT 2.5/5/10/20 ms.
+_OPUS_FRAME_SAMPLES = (480, 960, 1920, 2880) * 3 + (480, 960) * 2 + (120, 240, 480, 960) * 4
+
+
+def _opus_packet_samples(packet: bytes) -> int:
+    toc = packet[0]
+    count = (1, 2, 2, 0)[toc & 3] or (packet[1] & 0x3F if len(packet) > 1 else 0)
+    return _OPUS_FRAME_SAMPLES[toc >> 3] * count
 
 
 def _declared_seconds(
@@ -237,20 +296,65 @@ def _decodes(decoder: av.codec.context.CodecContext, packet: av.Packet | None) -
     return True
 
 
-class _FirstFrame:
-    """Feeds the first packets to the decoder until a frame comes out: the codec data
-    is what the container says it is. Later packets are only counted."""
+class _FrameCheck:
+    """Feeds packets to the decoder as they are demuxed: every one (``every``), so damage
+    anywhere is refused with the frame it is in, or the first ones only, until a frame
+    comes out (the codec data is what the container says it is)."""
 
-    def __init__(self, decoder: av.codec.context.CodecContext, skip: bool) -> None:
-        self._decoder = decoder
+    def __init__(
+        self,
+        decoder: av.codec.context.CodecContext,
+        reader: _BudgetedReader,
+        modality: str,
+        skip: bool,
+        every: bool,
+    ) -> None:
+        self._decoder, self._reader, self._modality = decoder, reader, modality
+        self._skip, self._every = skip, every
+        if every and modality == "audio":
+            # As strict as libsndfile and libmpg123, a server's loaders: checksums checked
+            # (FLAC's frame CRCs), and an error FFmpeg would conceal raised.
+            decoder.options = {"err_detect": "crccheck+explode"}
         self._fed = 0
-        self.decoded = skip  # frames too large to decode: refused by their size instead
+        self._size: tuple[int, int] | None = None
+        self.decoded = 0
+        self.samples = 0
+        self.first_decoded = skip  # frames too large to decode: refused by their size instead
 
     def feed(self, packet: av.Packet) -> None:
-        if self.decoded or self._fed >= FIRST_FRAME_PACKETS:
+        if self._skip or (
+            not self._every and (self.first_decoded or self._fed >= FIRST_FRAME_PACKETS)
+        ):
             return
         self._fed += 1
         try:
-            self.decoded = bool(self._decoder.decode(packet))
+            frames = self._decoder.decode(packet)
         except av.FFmpegError:
+            if self._every and self.first_decoded:
+                raise MediaProbeError(
+                    f"the {self._modality}'s frame {self.decoded + 1} cannot be decoded"
+                    " (its data is damaged)"
+                ) from None
             self._fed = FIRST_FRAME_PACKETS  # a damaged first packet: no frame to come
+            self._skip = self._every  # refused below as a first frame that cannot be decoded
+            return
+        for frame in frames:
+            self.decoded += 1
+            if self._modality == "video":
+                self._same_size(frame)
+                self._reader.earn(frame.width * frame.height / VERIFY_PIXELS_PER_SECOND)
+            else:
+                self.samples += frame.samples
+                self._reader.earn(frame.samples / VERIFY_SAMPLES_PER_SECOND)
+        self.first_decoded = self.first_decoded or self.decoded > 0
+
+    def _same_size(self, frame: av.VideoFrame) -> None:
+        """A loader stacks the frames it samples: frames of two sizes fail there."""
+        size = (frame.width, frame.height)
+        if self._size is None:
+            self._size = size
+        elif size != self._size:
+            raise MediaProbeError(
+                f"the video's frames change size (frame {self.decoded} is {size[0]}x{size[1]},"
+                f" the first {self._size[0]}x{self._size[1]})"
+            )

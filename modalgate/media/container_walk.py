@@ -7,9 +7,10 @@ reads the other file's bytes: the gate does not guess which. Each container
 that says how long it is is walked here at the level that says so (ISO BMFF
 top-level boxes, the RIFF chunk, the EBML Segment, Ogg pages, MPEG-TS packets) and
 must end where it says, at the end of the data. MP3, ADTS AAC and FLAC are bare
-streams of frames with no length here to check: one cut between frames plays shorter,
-as decoders play it; one cut inside its last frame is refused by ``av_probe``, which
-decodes an audio stream's last frame.
+streams of frames with no length here to check (FLAC's metadata blocks are walked,
+as libFLAC parses them): one cut between frames plays shorter, as decoders play it;
+one cut inside its last frame, or with bytes between two frames, is refused by
+``av_probe``.
 """
 
 from __future__ import annotations
@@ -120,26 +121,37 @@ def _vint(data: bytes, at: int, keep_marker: bool) -> tuple[int, int] | None:
 
 
 def _ogg_pages(data: bytes) -> str | None:
-    at, pages, last_flags = 0, 0, 0
+    return _ogg_walk(data)[0]
+
+
+def ogg_final_granule(data: bytes) -> int | None:
+    """The granule position of a whole Ogg file's last page (None where it is not whole)."""
+    problem, last = _ogg_walk(data)
+    return None if problem is not None else struct.unpack_from("<q", data, last + 6)[0]
+
+
+def _ogg_walk(data: bytes) -> tuple[str | None, int]:
+    """Why the pages do not end the data, or None; and where the last page starts."""
+    at, pages, last_flags, last = 0, 0, 0, 0
     while at < len(data):
         if data[at : at + 4] != b"OggS":
-            return "it is cut short or damaged (a page does not start where the last ended)"
+            return "it is cut short or damaged (a page does not start where the last ended)", last
         if len(data) - at < 27:
-            return "it is cut short (inside a page header)"
+            return "it is cut short (inside a page header)", last
         segments = data[at + 26]
         table = data[at + 27 : at + 27 + segments]
         if len(table) < segments:
-            return "it is cut short (inside a page header)"
-        last_flags = data[at + 5]
+            return "it is cut short (inside a page header)", last
+        last_flags, last = data[at + 5], at
         at += 27 + segments + sum(table)
         pages += 1
         if pages > MAX_OGG_PAGES:
-            return "it has too many pages"
+            return "it has too many pages", last
     if at > len(data):
-        return "it is cut short (its last page ends past the data)"
+        return "it is cut short (its last page ends past the data)", last
     if not last_flags & 0x04:
-        return "it is cut short (its last page is not the end of its stream)"
-    return None
+        return "it is cut short (its last page is not the end of its stream)", last
+    return None, last
 
 
 def _transport_stream(data: bytes) -> str | None:
@@ -148,7 +160,50 @@ def _transport_stream(data: bytes) -> str | None:
     return None
 
 
+def _flac_metadata(data: bytes) -> str | None:
+    """FLAC's metadata blocks, each as long as it says (a Vorbis comment block down to
+    its strings, which libFLAC parses and FFmpeg skips), then the first frame's sync."""
+    at, last = 4, False
+    for index in range(MAX_BOXES):
+        if len(data) - at < 4:
+            return "it is cut short (inside its metadata)"
+        kind, length = data[at] & 0x7F, int.from_bytes(data[at + 1 : at + 4], "big")
+        last, at = bool(data[at] & 0x80), at + 4
+        if at + length > len(data):
+            return "it is cut short (inside its metadata)"
+        if (index == 0) != (kind == 0) or (kind == 0 and length != 34) or kind == 127:
+            return "its metadata is damaged (STREAMINFO is not its first block)"
+        if kind == 4 and not _vorbis_comment_fits(data[at : at + length]):
+            return "its metadata is damaged (a comment's length is false)"
+        at += length
+        if last:
+            break
+    if not last:
+        return "it has too many metadata blocks"
+    if len(data) - at < 2 or data[at] != 0xFF or data[at + 1] & 0xFE != 0xF8:
+        return "it is damaged (no frame follows its metadata)"
+    return None
+
+
+def _vorbis_comment_fits(block: bytes) -> bool:
+    """Vendor string, then a count of strings: each length-prefixed, filling the block."""
+    if len(block) < 8:
+        return False
+    at = 4 + int.from_bytes(block[:4], "little")
+    if at + 4 > len(block):
+        return False
+    count, at = int.from_bytes(block[at : at + 4], "little"), at + 4
+    if count > (len(block) - at) // 4:
+        return False
+    for _ in range(count):
+        if at + 4 > len(block):
+            return False
+        at += 4 + int.from_bytes(block[at : at + 4], "little")
+    return at == len(block)
+
+
 _WALKS = {
+    "flac": _flac_metadata,
     "mp4": _iso_boxes,
     "mov": _iso_boxes,
     "m4a": _iso_boxes,

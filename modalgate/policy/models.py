@@ -75,9 +75,13 @@ class Limits(_Strict):
     audio_formats: tuple[AudioFormat, ...] = ("wav", "flac", "ogg", "mp3", "m4a", "aac")
     audio_codecs: tuple[str, ...] | None = None
     max_audio_seconds: float = Field(600.0, gt=0)
+    min_audio_seconds: float = Field(0.0, ge=0)  # shorter is media_too_small
     min_audio_sample_rate: int = Field(8_000, gt=0)
     max_audio_sample_rate: int = Field(192_000, gt=0)
     max_audio_channels: int = Field(8, gt=0)
+    # Decode every frame of the stream judged (cost: a decode, without conversion), so
+    # damage anywhere is refused; off, only the first frame (and audio's last) is.
+    verify_media_data: bool = True
 
     def max_count(self, modality: str) -> int | None:
         return {

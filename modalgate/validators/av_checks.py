@@ -74,7 +74,7 @@ def av_violations(
     charge_all()  # FFmpeg's work has no bound small enough for the event loop
     max_pixels = limits.max_video_pixels if what == "video" else 0
     try:
-        facts = probe_media(part.data, part.format, what, max_pixels)
+        facts = probe_media(part.data, part.format, what, max_pixels, limits.verify_media_data)
     except MediaProbeError as exc:
         return [_violation(ErrorCode.INVALID_MEDIA, part, str(exc))]
     part.seconds, part.frames = facts.seconds, facts.packets if what == "video" else None
@@ -84,9 +84,15 @@ def av_violations(
         return [_violation(found[0], part, found[1])]
     if what == "audio" and rule.tokens is not None and facts.sample_rate:
         try:
-            part.tokens = estimate_audio_tokens(facts.seconds, facts.sample_rate, rule.tokens)
+            heard = facts.seconds  # with the encoder's priming, when not decoded
+            if facts.decoded_samples is not None:
+                heard = facts.decoded_samples / facts.sample_rate
+            part.tokens = estimate_audio_tokens(heard, facts.sample_rate, rule.tokens)
         except TokenEstimateError as exc:
             return [_violation(ErrorCode.MEDIA_TOO_SMALL, part, str(exc))]
+        if part.tokens == 0:  # the model would be handed a clip it cannot hear
+            message = "the audio is too short for this model (it makes no audio tokens)"
+            return [_violation(ErrorCode.MEDIA_TOO_SMALL, part, message)]
     if what == "video" and rule.tokens is not None and facts.width and facts.height:
         try:  # counted in the request's vision-token budget (``budget_violations``)
             part.tokens = estimate_video_tokens(
@@ -156,6 +162,12 @@ def _audio_limits(facts: MediaFacts, limits: Limits) -> tuple[ErrorCode, str] | 
         return (
             ErrorCode.UNSUPPORTED_MEDIA_FORMAT,
             f"audio with {channels} channels is not accepted (1..{limits.max_audio_channels})",
+        )
+    if facts.seconds < limits.min_audio_seconds:
+        return (
+            ErrorCode.MEDIA_TOO_SMALL,
+            f"audio is {facts.seconds * 1000:.0f} ms long; this model needs at least"
+            f" {limits.min_audio_seconds * 1000:g} ms",
         )
     return _length_problem("audio", facts.seconds, limits.max_audio_seconds)
 

@@ -28,6 +28,7 @@ from modalgate.policy import RuleMatcher, load_policy
 from modalgate.policy.models import TokenSpec
 from modalgate.validators import validate_body
 from modalgate.validators.audio_tokens import estimate_audio_tokens
+from modalgate.validators.tokens import TokenEstimateError
 
 SPEC = TokenSpec(family="whisper", audio_family="qwen2_audio")
 QWEN3_OMNI_SPEC = TokenSpec(family="whisper", audio_family="qwen3_omni")
@@ -103,19 +104,25 @@ def test_a_clip_too_short_for_qwen3_omnis_extractor_is_refused(extractor):
     processor = processing_qwen3_omni_moe.Qwen3OmniMoeProcessor
     with pytest.raises(RuntimeError, match="Padding size"):  # what the server would meet
         omni_tokens(extractor, np.zeros(200, np.float32), processor, processing_qwen3_omni_moe)
+    with pytest.raises(TokenEstimateError, match="at least 201 samples at 16 kHz"):
+        estimate_audio_tokens(200 / 16_000, 16_000, QWEN3_OMNI_SPEC)
+    assert estimate_audio_tokens(201 / 16_000, 16_000, QWEN3_OMNI_SPEC) == 1
     data = make_audio("wav", seconds=0.01)
     part = {"type": "input_audio", "input_audio": {"data": b64(data), "format": "wav"}}
     matcher = RuleMatcher(load_policy(), None)
+    at = "messages.[0].content.[0].input_audio.data"
     verdict = validate_body(body(chat(part, model="Qwen/Qwen3-Omni-30B-A3B-Instruct")), matcher)
     [violation] = verdict.violations
-    at = "messages.[0].content.[0].input_audio.data"
+    assert (violation.code.value, violation.param) == ("media_too_small", at)
+    assert violation.message == f"{at}: audio is 10 ms long; this model needs at least 100 ms"
+    # Padded to its window first, Qwen2.5-Omni's extractor takes it, and makes no tokens.
+    verdict = validate_body(body(chat(part, model="Qwen/Qwen2.5-Omni-7B")), matcher)
+    [violation] = verdict.violations
     assert (violation.code.value, violation.param) == ("media_too_small", at)
     assert violation.message == (
-        f"{at}: the audio is too short for this model's feature extractor (at least 201"
-        " samples at 16 kHz)"
+        f"{at}: the audio is too short for this model (it makes no audio tokens)"
     )
-    verdict = validate_body(body(chat(part, model="Qwen/Qwen2.5-Omni-7B")), matcher)
-    assert verdict.accepted  # padded to its window first, the extractor takes it
+    assert processor_tokens(extractor, np.zeros(160, np.float32)) == 0
 
 
 @pytest.mark.parametrize(

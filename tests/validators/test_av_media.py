@@ -15,7 +15,7 @@ import struct
 
 import av
 import pytest
-from av_media import AUDIO_KINDS, VIDEO_KINDS, decode_all, make_audio, make_video
+from av_media import AUDIO_KINDS, VIDEO_KINDS, cut_points, decode_all, make_audio, make_video
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -183,41 +183,12 @@ def test_the_data_urls_mime_type_is_held_to_the_bytes(videos, matcher):
 # ---------------------------------------------------------------- cut short, everywhere
 
 
-def boundaries(data: bytes, fmt: str) -> list[int]:
-    """Every structural boundary of ``data`` (box, chunk, page starts), each with its
-    neighbours, and byte strides between them."""
-    marks = {0, len(data)}
-    for signature in (
-        b"moov",
-        b"mdat",
-        b"ftyp",
-        b"free",
-        b"trak",
-        b"LIST",
-        b"idx1",
-        b"data",
-        b"fmt ",
-        b"OggS",
-        b"\x1f\x43\xb6\x75",
-        b"\x1c\x53\xbb\x6b",
-        b"fLaC",
-    ):
-        start = data.find(signature)
-        while start >= 0:
-            marks.add(max(start - 4, 0))
-            marks.add(start)
-            start = data.find(signature, start + 1)
-    cuts = {c + d for c in marks for d in (-1, 0, 1, 8)}
-    cuts.update(range(1, len(data), max(1, len(data) // 97)))
-    return sorted(c for c in cuts if 0 < c < len(data))  # fmt: skip
-
-
 @pytest.mark.parametrize("fmt", DEFAULT_VIDEO)
 def test_a_video_cut_anywhere_is_refused(fmt, videos, matcher):
     data = videos[fmt]
     accepted = [
         cut
-        for cut in boundaries(data, fmt)
+        for cut in cut_points(data)
         if validate_body(video_request(data[:cut], MIME[fmt]), matcher).accepted
     ]
     assert accepted == []
@@ -230,7 +201,7 @@ def test_an_audio_file_cut_anywhere_is_refused(fmt, audios, matcher):
     data = audios[fmt]
     accepted = [
         cut
-        for cut in boundaries(data, fmt)
+        for cut in cut_points(data)
         if validate_body(audio_request(data[:cut], fmt), matcher, dialect=VLLM_DIALECT).accepted
     ]
     assert accepted == []
