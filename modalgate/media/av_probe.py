@@ -53,7 +53,8 @@ READ_ALLOWANCE = 1 << 20
 # default to find what the headers already say (~3.7 ms for a 10 s WAV, 0.35 at 4 KiB);
 # every packet is read below anyway. PCM's header says everything.
 _OPEN = {"analyzeduration": "0", "probesize": "32768"}
-_OPEN_PCM = {"analyzeduration": "0", "probesize": "4096"}
+# PCM in packets of 64 KiB, not 4 KiB: a sixteenth of the packets to count.
+_OPEN_PCM = {"analyzeduration": "0", "probesize": "4096", "max_size": "65536"}
 # Packets fed to the decoder to get the first frame out (codecs with delay need a few).
 FIRST_FRAME_PACKETS = 32
 # Time a verifying probe earns per decoded pixel and sample: a tenth of what one core
@@ -173,7 +174,7 @@ def _facts(
     declared_frames = stream.frames or None
     declared_seconds = _declared_seconds(container, stream)
     packets, start, end, step = 0, None, None, None
-    bare, follows = fmt in BARE_STREAMS, None
+    bare, follows, data_length = fmt in BARE_STREAMS, None, len(data)
     opus_samples = 0 if fmt == "ogg" and codec == "opus" else None
     skip = max_pixels > 0 and pixels > max_pixels
     frames = _FrameCheck(context, reader, modality, skip=skip, every=verify)
@@ -193,7 +194,7 @@ def _facts(
             opus_samples += _opus_packet_samples(bytes(packet))
         pos = packet.pos
         if pos is not None and pos >= 0:
-            if pos + size > len(data):
+            if pos + size > data_length:
                 raise MediaProbeError(f"the {modality} is cut short (a frame ends past the file)")
             if bare and follows is not None and pos != follows:
                 # The demuxer resyncs past what is not a frame; libmpg123 and libFLAC
