@@ -61,6 +61,10 @@ FIRST_FRAME_PACKETS = 32
 # decodes (H.264 at ~200 Mpixel/s, PCM and FLAC at ~50 Msample/s), so a real clip never
 # runs out and a hostile one runs out soon after the work it has earned.
 VERIFY_PIXELS_PER_SECOND = 20e6
+# Pixels a verifying probe decodes of one video before it only counts the rest: a server
+# samples a long video's frames (vLLM: 32), the gate must not decode thousands of them.
+# 2^27: 64 frames of 1080p, 1,747 of 320x240; about a second of one core.
+VERIFY_PIXELS = 1 << 27
 VERIFY_SAMPLES_PER_SECOND = 5e6
 
 
@@ -125,12 +129,18 @@ class _BudgetedReader:
 
 
 def probe_media(
-    data: bytes, fmt: str, modality: str, max_pixels: int = 0, verify: bool = True
+    data: bytes,
+    fmt: str,
+    modality: str,
+    max_pixels: int = 0,
+    verify: bool = True,
+    verify_pixels: int = VERIFY_PIXELS,
 ) -> MediaFacts:
     """The facts of the first ``modality`` stream ("video" or "audio") of ``data``, read
     as ``fmt``; raise MediaProbeError where it is not a whole file of that kind, or
-    (``verify``) where any of its frames does not decode. A video whose frames are over
-    ``max_pixels`` is not decoded (its facts say why it is refused)."""
+    (``verify``) where any of its frames does not decode: every frame of audio, a video's
+    frames until ``verify_pixels`` pixels are decoded (the rest are counted). A video
+    whose frames are over ``max_pixels`` is not decoded (its facts say why it is refused)."""
     problem = end_problem(data, fmt)
     if problem is not None:
         raise MediaProbeError(f"the {fmt.upper()} {modality} is not whole: {problem}")
@@ -139,7 +149,7 @@ def probe_media(
         with av.open(
             reader, format=DEMUXERS[fmt], mode="r", options=_OPEN_PCM if fmt == "wav" else _OPEN
         ) as container:
-            return _facts(container, reader, data, fmt, modality, max_pixels, verify)
+            return _facts(container, reader, data, fmt, modality, max_pixels, verify, verify_pixels)
     except _OverBudget:
         raise MediaProbeError(
             f"the {modality} takes too long to read (its structure loops)"
@@ -161,6 +171,7 @@ def _facts(
     modality: str,
     max_pixels: int,
     verify: bool,
+    verify_pixels: int,
 ) -> MediaFacts:
     streams = container.streams.video if modality == "video" else container.streams.audio
     if not streams:
@@ -177,7 +188,9 @@ def _facts(
     bare, follows, data_length = fmt in BARE_STREAMS, None, len(data)
     opus_samples = 0 if fmt == "ogg" and codec == "opus" else None
     skip = max_pixels > 0 and pixels > max_pixels
-    frames = _FrameCheck(context, reader, modality, skip=skip, every=verify)
+    frames = _FrameCheck(
+        context, reader, modality, skip=skip, every=verify, pixel_budget=verify_pixels
+    )
     last = None
     for packet in container.demux(stream):
         size = packet.size
@@ -185,7 +198,7 @@ def _facts(
             frames.feed(packet)  # the flush packet at the end: a codec with delay may answer
             continue
         packets += 1
-        if verify or packets <= FIRST_FRAME_PACKETS:
+        if packets <= FIRST_FRAME_PACKETS or frames.complete:
             frames.feed(packet)
         if not packets & 255:
             reader.check_time()
@@ -240,7 +253,7 @@ def _facts(
         raise MediaProbeError(
             f"the {modality}'s first frame cannot be decoded (its codec data is damaged)"
         )
-    if verify and not skip and frames.decoded < packets - (modality == "audio"):
+    if frames.complete and not skip and frames.decoded < packets - (modality == "audio"):
         # (audio: an encoder's priming may fill a whole first frame, which is dropped)
         raise MediaProbeError(
             f"the {modality} holds {packets} frames but {frames.decoded} decode (its data is"
@@ -309,9 +322,12 @@ class _FrameCheck:
         modality: str,
         skip: bool,
         every: bool,
+        pixel_budget: int,
     ) -> None:
         self._decoder, self._reader, self._modality = decoder, reader, modality
         self._skip, self._every = skip, every
+        self._pixels_left = pixel_budget
+        self.complete = every  # every frame was decoded
         if every and modality == "audio":
             # As strict as libsndfile and libmpg123, a server's loaders: checksums checked
             # (FLAC's frame CRCs), and an error FFmpeg would conceal raised.
@@ -343,7 +359,11 @@ class _FrameCheck:
             self.decoded += 1
             if self._modality == "video":
                 self._same_size(frame)
-                self._reader.earn(frame.width * frame.height / VERIFY_PIXELS_PER_SECOND)
+                pixels = frame.width * frame.height
+                self._reader.earn(pixels / VERIFY_PIXELS_PER_SECOND)
+                self._pixels_left -= pixels
+                if self._pixels_left <= 0 and self._every:  # the rest is only counted
+                    self._every = self.complete = False
             else:
                 self.samples += frame.samples
                 self._reader.earn(frame.samples / VERIFY_SAMPLES_PER_SECOND)

@@ -82,6 +82,7 @@ class Limits(_Strict):
     # Decode every frame of the stream judged (cost: a decode, without conversion), so
     # damage anywhere is refused; off, only the first frame (and audio's last) is.
     verify_media_data: bool = True
+    max_verified_pixels: int = Field(1 << 27, gt=0)  # of one video; the rest are counted
 
     def max_count(self, modality: str) -> int | None:
         return {

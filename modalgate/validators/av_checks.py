@@ -74,7 +74,14 @@ def av_violations(
     charge_all()  # FFmpeg's work has no bound small enough for the event loop
     max_pixels = limits.max_video_pixels if what == "video" else 0
     try:
-        facts = probe_media(part.data, part.format, what, max_pixels, limits.verify_media_data)
+        facts = probe_media(
+            part.data,
+            part.format,
+            what,
+            max_pixels,
+            limits.verify_media_data,
+            limits.max_verified_pixels,
+        )
     except MediaProbeError as exc:
         return [_violation(ErrorCode.INVALID_MEDIA, part, str(exc))]
     part.seconds, part.frames = facts.seconds, facts.packets if what == "video" else None

@@ -388,3 +388,35 @@ def test_a_probe_past_its_time_budget_is_refused_not_crashed(videos, matcher, mo
         VIDEO_AT,
         f"{VIDEO_AT}: the video takes too long to read (its structure loops)",
     )
+
+
+def last_frame_damaged(data: bytes) -> bytes:
+    """``data`` with its last video frame's coded data overwritten past its first quarter."""
+    with av.open(io.BytesIO(data)) as container:
+        pos, size = [(p.pos, p.size) for p in container.demux(video=0) if p.size][-1]
+    damaged = bytearray(data)
+    for at in range(pos + size // 4, pos + size - 2):
+        damaged[at] = 0xFF if at % 2 else 0x00
+    return bytes(damaged)
+
+
+def test_damage_in_the_last_frame_is_refused_within_the_verified_pixels(videos, matcher):
+    """Every frame is decoded (``verify_media_data``), up to ``max_verified_pixels``; past
+    them frames are only counted, so there the damage passes, as it must at that cost."""
+    data = last_frame_damaged(videos["avi"])
+    refused = refusal(video_request(data, MIME["avi"]), matcher)
+    assert refused == (
+        ErrorCode.INVALID_MEDIA,
+        VIDEO_AT,
+        f"{VIDEO_AT}: the video's frame 10 cannot be decoded (its data is damaged)",
+    )
+    frame = 64 * 48
+    assert validate_body(
+        video_request(data, MIME["avi"]), policy_with(f"max_verified_pixels: {frame * 9}")
+    ).accepted
+    refused = refusal(
+        video_request(data, MIME["avi"]), policy_with(f"max_verified_pixels: {frame * 10}")
+    )
+    assert refused[0] is ErrorCode.INVALID_MEDIA
+    shallow = policy_with("verify_media_data: false")
+    assert validate_body(video_request(data, MIME["avi"]), shallow).accepted
