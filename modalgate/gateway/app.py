@@ -6,7 +6,8 @@ fetch) -> the router. The router answers the gateway's own paths (/healthz,
 the upstream proxy, after the encoder-side rewrite for rules that ask for it.
 Without an upstream, the chat paths answer with the verdict itself (a
 validation service) and other paths are 404. With ``authz_prefix`` it answers
-Envoy's ext_authz checks under that prefix instead (service/authz.py).
+Envoy's ext_authz checks under that prefix instead (service/authz.py); built with
+``extproc`` it decides for Envoy's ext_proc filter (service/extproc.py).
 
 ``create_app()`` with no arguments reads ``MODALGATE_*`` variables, so any ASGI
 server can serve it: ``uvicorn --factory modalgate.gateway.app:create_app``,
@@ -55,6 +56,7 @@ from modalgate.gateway.service.drain import Drain
 from modalgate.gateway.service.dry_run import dry_run_endpoint
 from modalgate.gateway.service.embeds import unserved_embeds
 from modalgate.gateway.service.encode import ENCODE_PATH, encode_endpoint
+from modalgate.gateway.service.extproc import EXTPROC_PREFIX, ExtProcAllow, extproc_problems
 from modalgate.gateway.service.health import Readiness
 from modalgate.gateway.upstream.balancer import UpstreamRoute, Upstreams
 from modalgate.gateway.upstream.engines import EngineDialects
@@ -78,8 +80,10 @@ class Gateway:
         policy: Policy,
         settings: GatewaySettings,
         encoder: EncoderAdapter | None = None,
+        extproc: bool = False,
     ) -> None:
         self.settings = settings
+        self.extproc = extproc
         # (matcher, the default route's model lists, what they give): see _listed_models
         self._listed_cache: tuple[RuleMatcher, tuple, tuple[frozenset[str], str | None]] | None
         self._listed_cache = None
@@ -88,6 +92,8 @@ class Gateway:
         self.default_encoder = encoder
         if settings.authz_prefix and settings.upstream:
             raise ValueError("--authz-prefix answers Envoy, which forwards: no --upstream with it")
+        if extproc and (settings.upstream or settings.authz_prefix):
+            raise ValueError("extproc answers Envoy, which forwards: no --upstream with it")
         problems = self.problems(policy)
         if problems:
             raise ValueError("; ".join(problems))
@@ -114,8 +120,12 @@ class Gateway:
             self.upstreams, self.adapter_for, lambda path: self.gate.endpoints.kind_of(path)
         )
         own: ASGIApp = OwnPathsFirst(self.router)
+        if settings.authz_prefix:
+            own = AllowChecked(own)
+        elif extproc:
+            own = ExtProcAllow(own)
         self.gate = ModalGate(
-            AllowChecked(own) if settings.authz_prefix else own,
+            own,
             policy=self._applied(policy),
             mode=settings.mode,
             paths=[VALIDATE_PATH, *DEFAULT_PATHS, *([ENCODE_PATH] if self.adapters else [])],
@@ -124,7 +134,7 @@ class Gateway:
             served_model=self.served_model,
             dialect=EngineDialects(self.upstreams, settings),
             # Shadow mode forwards: where the verdict is the answer, it is the verdict.
-            enforce=(None if settings.enforce else False) if self.proxying else True,
+            enforce=(None if settings.enforce else False) if self.proxying or extproc else True,
             enforced_paths=[VALIDATE_PATH, VALIDATE_RESPONSES_PATH, ENCODE_PATH],
         )
         self.reloader = (
@@ -138,8 +148,8 @@ class Gateway:
             else None
         )
         gate: ASGIApp = self.gate
-        if settings.authz_prefix:
-            gate = AuthzChecks(gate, settings.authz_prefix)
+        if settings.authz_prefix or extproc:
+            gate = AuthzChecks(gate, settings.authz_prefix or EXTPROC_PREFIX)
         # The lock comes before anything reads a body; inside RequestId, which reads only
         # the id header, so a refused request still has an id and an access line.
         self.api_keys = configured_keys(settings.api_keys, settings.api_key_file)
@@ -174,6 +184,8 @@ class Gateway:
         """What makes ``policy`` unusable in this process: checked at start and on reload."""
         mode = self.settings.mode
         problems = self.encoder_problems(policy) + fallback_problems(policy, mode)
+        if self.extproc:
+            problems += extproc_problems(policy, mode)
         return problems + (authz_problems(policy, mode) if self.settings.authz_prefix else [])
 
     def _applied(self, policy: Policy) -> Policy:
@@ -214,7 +226,7 @@ class Gateway:
         says no more than the name the client sent). A rule's own upstream serves
         that rule's model: the policy says so.
         """
-        if self.settings.authz_prefix:  # Envoy's upstream: the operator names its model
+        if self.settings.authz_prefix or self.extproc:  # Envoy's upstream: the operator's
             return self.settings.served_model
         route = self.upstreams.route_for(rule)
         if route is None or route is not self.upstreams.default:
@@ -366,6 +378,7 @@ def create_app(
     *,
     upstream: str | None = None,
     settings: GatewaySettings | None = None,
+    extproc: bool = False,
 ) -> Gateway:
     """The gateway app. Arguments given here win over ``MODALGATE_*`` variables, which win
     over the policy file's ``server:`` section; ``encoder`` serves rules without their own.
@@ -394,7 +407,7 @@ def create_app(
     if not logging.getLogger().handlers and not logging.getLogger("modalgate").handlers:
         configure_logging(settings.log_level, settings.log_format)
     try:
-        return Gateway(policy, settings, encoder)
+        return Gateway(policy, settings, encoder, extproc=extproc)
     except (LookupError, ValueError, OSError, RuntimeError) as exc:
         raise StartupError(f"cannot start: {exc}") from exc
 

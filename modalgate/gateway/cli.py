@@ -1,4 +1,4 @@
-"""The ``modalgate`` command: serve, validate, check, schema.
+"""The ``modalgate`` command: serve, extproc, validate, check, schema.
 
 Exit codes are part of the contract: ``validate`` 0 accepted, 1 rejected, 2 usage;
 ``check`` 0 valid, 1 invalid. A broken policy is printed as text, never a traceback.
@@ -50,6 +50,19 @@ def _parser() -> argparse.ArgumentParser:
     _policy_args(serve)
     _setting_flags(serve)
     serve.set_defaults(run=_serve)
+
+    extproc = commands.add_parser(
+        "extproc",
+        help="decide inside Envoy: an ext_proc processor (gRPC) judging every request",
+        description="The same gate as serve, asked by Envoy's ext_proc filter (docs/envoy.md)."
+        " --host/--port serve /metrics, /healthz and /readyz over HTTP.",
+    )
+    extproc.add_argument(
+        "--listen", default="127.0.0.1:9002", help="gRPC address (default 127.0.0.1:9002)"
+    )
+    _policy_args(extproc)
+    _setting_flags(extproc)
+    extproc.set_defaults(run=_extproc)
 
     validate = commands.add_parser(
         "validate", help="check one request body; exit 0 accepted, 1 rejected"
@@ -128,12 +141,12 @@ def _load(args: argparse.Namespace) -> Policy | None:
         return None
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _settings(args: argparse.Namespace) -> tuple[Policy, GatewaySettings] | None:
+    """The policy and settings the flags, variables and policy file give; None (with
+    the reason printed) where they do not."""
     from pydantic import ValidationError
 
-    from modalgate.gateway.app import StartupError, create_app
     from modalgate.gateway.observability.logs import configure_logging
-    from modalgate.gateway.server import run_single, run_workers
     from modalgate.settings import load_settings, policy_location
 
     flags = {name: getattr(args, name) for name in GatewaySettings.model_fields}
@@ -143,13 +156,24 @@ def _serve(args: argparse.Namespace) -> int:
         settings = load_settings(flags, policy.server.model_dump(exclude_none=True))
     except PolicyError as exc:
         print(str(exc), file=sys.stderr)
-        return EXIT_USAGE
+        return None
     except ValidationError as exc:
         for error in exc.errors():
             where = ".".join(str(p) for p in error["loc"])
             print(f"setting {where}: {error['msg']}", file=sys.stderr)
-        return EXIT_USAGE
+        return None
     configure_logging(settings.log_level, settings.log_format)
+    return policy, settings
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from modalgate.gateway.app import StartupError, create_app
+    from modalgate.gateway.server import run_single, run_workers
+
+    loaded = _settings(args)
+    if loaded is None:
+        return EXIT_USAGE
+    policy, settings = loaded
     if settings.workers > 1:  # each worker builds its own gateway (gateway/server.py)
         return EXIT_OK if run_workers(settings) else EXIT_USAGE
     try:
@@ -158,6 +182,33 @@ def _serve(args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return EXIT_USAGE
     run_single(gateway, settings)
+    return EXIT_OK
+
+
+def _extproc(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from modalgate.gateway.app import StartupError, create_app
+
+    try:
+        from modalgate.gateway.service.extproc_grpc import serve_extproc
+    except ImportError as exc:
+        print(f"extproc needs gRPC: pip install 'modalgate[extproc]' ({exc})", file=sys.stderr)
+        return EXIT_USAGE
+    loaded = _settings(args)
+    if loaded is None:
+        return EXIT_USAGE
+    policy, settings = loaded
+    try:
+        gateway = create_app(policy, settings=settings, extproc=True)
+    except StartupError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        asyncio.run(serve_extproc(gateway, args.listen, settings.host, settings.port))
+    except OSError as exc:
+        print(f"cannot start: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     return EXIT_OK
 
 

