@@ -56,7 +56,7 @@ from modalgate.gateway.service.drain import Drain
 from modalgate.gateway.service.dry_run import dry_run_endpoint
 from modalgate.gateway.service.embeds import unserved_embeds
 from modalgate.gateway.service.encode import ENCODE_PATH, encode_endpoint
-from modalgate.gateway.service.extproc import EXTPROC_PREFIX, ExtProcAllow, extproc_problems
+from modalgate.gateway.service.extproc import ExtProcAllow, extproc_problems
 from modalgate.gateway.service.health import Readiness
 from modalgate.gateway.upstream.balancer import UpstreamRoute, Upstreams
 from modalgate.gateway.upstream.engines import EngineDialects
@@ -148,8 +148,8 @@ class Gateway:
             else None
         )
         gate: ASGIApp = self.gate
-        if settings.authz_prefix or extproc:
-            gate = AuthzChecks(gate, settings.authz_prefix or EXTPROC_PREFIX)
+        if settings.authz_prefix:
+            gate = AuthzChecks(gate, settings.authz_prefix)
         # The lock comes before anything reads a body; inside RequestId, which reads only
         # the id header, so a refused request still has an id and an access line.
         self.api_keys = configured_keys(settings.api_keys, settings.api_key_file)

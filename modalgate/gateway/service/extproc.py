@@ -3,9 +3,9 @@
 ``modalgate extproc`` (``extproc_grpc``) turns each ext_proc stream into one in-process
 request to the same ``Gateway`` app ``modalgate serve`` runs: the same policy, error
 envelope, metrics, dialects and settings, so a body refused by one is refused by both
-with the same code and param. The request enters under ``EXTPROC_PREFIX`` (marked as a
-check, as ext_authz's are: ``authz.AuthzChecks``) and, accepted, ends at
-``ExtProcAllow``: 200, the decision's headers, and the body as the gate passed it on
+with the same code and param. The request enters marked as a check (as ext_authz's
+are, ``authz.AUTHZ_SCOPE_KEY``; no HTTP request can carry the mark) and, accepted, ends
+at ``ExtProcAllow``: 200, the decision's headers, and the body as the gate passed it on
 (rewritten where a fallback changed its model or remote media were inlined). Anything
 else the app answers (400, 401, 413, ...) is the refusal Envoy sends the client.
 
@@ -26,7 +26,6 @@ from modalgate.gateway.service.authz import AUTHZ_SCOPE_KEY, MODEL_HEADER, NONE,
 from modalgate.gateway.service.authz import header_value as safe_header_value
 from modalgate.policy import Policy, RuleMatcher
 
-EXTPROC_PREFIX = "/modalgate-extproc"  # never a client's path: added here, stripped by the gate
 MODALITIES_HEADER = b"x-modalgate-modalities"  # what the request carries: text,image,...
 DECISION_HEADER = b"x-modalgate-decision"  # ExtProcAllow's mark on its own answer
 DECISION_HEADERS = (MODEL_HEADER, RULE_HEADER, MODALITIES_HEADER)
@@ -110,12 +109,6 @@ def client_scope(method: str, path: str, headers: Iterable[tuple[bytes, bytes]])
     return with_normalized_path(scope)
 
 
-def checked_scope(scope: Scope) -> Scope:
-    """``scope`` under ``EXTPROC_PREFIX``, where ``AuthzChecks`` takes it as a check."""
-    raw = EXTPROC_PREFIX.encode() + scope["raw_path"]
-    return {**scope, "path": EXTPROC_PREFIX + scope["path"], "raw_path": raw}
-
-
 async def judge(app: ASGIApp, scope: Scope, body: bytes) -> Decision:
     """One request through ``app`` (the gateway), its answer collected."""
     sent_body = False
@@ -136,7 +129,7 @@ async def judge(app: ASGIApp, scope: Scope, body: bytes) -> Decision:
         elif message["type"] == "http.response.body":
             chunks.append(message.get("body", b""))
 
-    await app(checked_scope(scope), receive, send)
+    await app({**scope, AUTHZ_SCOPE_KEY: True}, receive, send)
     decision.body = b"".join(chunks)
     return decision
 

@@ -9,6 +9,7 @@ official ``openai`` client through Envoy, over HTTP/1.1 and HTTP/2.
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -21,6 +22,7 @@ import pytest
 import yaml
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy_proc import running_envoy
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import (
     MP4_BYTES,
@@ -34,6 +36,7 @@ from conftest import (
     serve,
 )
 from gateway_proc import MODALGATE, GatewayProcess
+from realserver.bodies import corpus
 from toy_upstream import ToyUpstream
 
 CONFIG = REPO_ROOT / "deploy" / "envoy" / "envoy-extproc.yaml"
@@ -269,3 +272,64 @@ def test_health_and_metrics_are_served_over_http(processor, envoy, toy):
     metrics = httpx.get(processor.url + "/metrics").text
     assert "modalgate_requests_total{" in metrics
     assert 'code="unsupported_modality"' in metrics
+
+
+def outcome(answer: httpx.Response) -> tuple[int, str | None, str | None]:
+    if answer.status_code == 200:
+        return 200, None, None
+    error = answer.json()["error"]
+    return answer.status_code, error["code"], error["param"]
+
+
+def test_the_real_server_corpus_has_the_same_outcomes_through_envoy_as_through_serve(upstream):
+    """Every body of tests/realserver's corpus, to ``modalgate serve --upstream`` and to
+    Envoy + ``modalgate extproc``, the same toy model server behind both: the same
+    status, code and param, and where accepted, the same body reaches the server."""
+    toy, upstream_port = upstream
+    model = "Qwen/Qwen2-VL-7B-Instruct"
+    flags = ("--served-model", model, "--no-access-log")
+    toy_url = f"http://127.0.0.1:{upstream_port}"
+    with (
+        GatewayProcess("--upstream", toy_url, *flags) as gateway,
+        Processor(*flags) as processor,
+    ):
+        gateway.wait_ready()
+        processor.wait_ready()
+        with envoy_for(upstream, processor.grpc_port) as url, httpx.Client(timeout=60) as http:
+            differences, counts = [], {"accepted": 0, "refused": 0}
+            for name, body in corpus(model):
+                toy.received.clear()
+                served = http.post(gateway.url + "/v1/chat/completions", json=body)
+                served_body = [r.body for r in toy.received]
+                toy.received.clear()
+                through_envoy = http.post(url + "/v1/chat/completions", json=body)
+                envoy_body = [r.body for r in toy.received]
+                counts["accepted" if served.status_code == 200 else "refused"] += 1
+                if outcome(served) != outcome(through_envoy) or served_body != envoy_body:
+                    differences.append((name, outcome(served), outcome(through_envoy)))
+    print(f"\n{sum(counts.values())} bodies: {counts}")
+    assert differences == []
+    assert counts["accepted"] > 10 and counts["refused"] > 50
+
+
+def test_health_logs_and_a_graceful_stop(upstream, tmp_path):
+    """The gRPC health service answers SERVING; a refusal is logged with the request id
+    Envoy gave it; SIGTERM lets the processor finish and exit 0."""
+    with Processor("--log-format", "json") as processor:
+        processor.wait_ready()
+        with grpc.insecure_channel(f"127.0.0.1:{processor.grpc_port}") as channel:
+            checks = health_pb2_grpc.HealthStub(channel)
+            for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
+                answer = checks.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        with envoy_for(upstream, processor.grpc_port) as url:
+            refused = httpx.post(url + "/v1/chat/completions", json=chat(video_part()))
+        request_id = refused.headers["x-request-id"]
+        line = processor.wait_for_log(lambda line: line.get("event") == "request_rejected")
+        assert (line["request_id"], line["code"]) == (request_id, "unsupported_modality")
+        access = processor.wait_for_log(
+            lambda line: line.get("event") == "access" and line["status"] == 400
+        )
+        assert (access["path"], access["request_id"]) == ("/v1/chat/completions", request_id)
+        processor.signal(signal.SIGTERM)
+        assert processor.process.wait(20) == 0
