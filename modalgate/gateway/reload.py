@@ -18,6 +18,7 @@ import anyio.to_thread
 
 from modalgate.policy import Policy, PolicyError, load_policy
 
+CONFIGMAP_DATA = "..data"  # kubelet's atomic writer: the link it replaces on each update
 logger = logging.getLogger("modalgate.reload")
 
 PolicyCheck = Callable[[Policy], list[str]]  # problems that make a policy unusable here
@@ -84,11 +85,13 @@ class PolicyReloader:
     async def _on_change(self) -> None:
         from watchfiles import awatch
 
-        # The directory, not the file: editors and config managers replace files by rename.
-        directory, name = self.path.parent.resolve(), self.path.name
+        # The directory, not the file: editors and config managers replace files by rename;
+        # a Kubernetes ConfigMap volume swaps its ``..data`` link to a new directory, and
+        # the file is a link through it.
+        directory, names = self.path.parent.resolve(), {self.path.name, CONFIGMAP_DATA}
         async for _ in awatch(
             directory,
-            watch_filter=lambda change, changed: Path(changed).name == name,
+            watch_filter=lambda change, changed: Path(changed).name in names,
             debounce=300,
             step=50,
             recursive=False,

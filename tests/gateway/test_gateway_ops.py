@@ -260,3 +260,27 @@ def test_check_refuses_a_server_section_that_serve_would_refuse(tmp_path):
     assert result.returncode == 1
     assert "server.upstream: the upstream must be an http:// or https:// URL" in result.stderr
     assert "server.metrics_path: must start with /" in result.stderr
+
+
+def write_as_kubelet(directory: Path, text: str, generation: int) -> None:
+    """As a ConfigMap volume is updated: the file is a link through ``..data``, which is
+    swapped (by rename) to a new timestamped directory holding the new file."""
+    version = directory / f"..2026_12_07_{generation}"
+    version.mkdir()
+    (version / "policy.yaml").write_text(text)
+    link = directory / "..data_tmp"
+    link.symlink_to(version.name)
+    os.replace(link, directory / "..data")
+    if not (directory / "policy.yaml").is_symlink():
+        (directory / "policy.yaml").symlink_to("..data/policy.yaml")
+
+
+def test_a_configmap_update_is_reloaded(upstream, tmp_path):
+    _, base = upstream
+    write_as_kubelet(tmp_path, IMAGE_ONLY, 1)
+    policy = tmp_path / "policy.yaml"
+    with GatewayProcess("--upstream", base, "--policy", str(policy)) as gateway:
+        assert video_status(gateway) == 400
+        write_as_kubelet(tmp_path, IMAGE_AND_VIDEO, 2)
+        wait_reloads(gateway, "policy reloaded", 1)
+        assert video_status(gateway) == 200
