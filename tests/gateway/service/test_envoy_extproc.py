@@ -27,15 +27,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conftest import (
     MP4_BYTES,
     REPO_ROOT,
+    Recorder,
     chat,
     data_url,
     free_port,
     image_bytes,
     image_part,
     png_bomb,
+    send_body,
     serve,
+    start_server,
 )
 from gateway_proc import MODALGATE, GatewayProcess
+from modalgate.gateway.app import StartupError, create_app
 from realserver.bodies import corpus
 from toy_upstream import ToyUpstream
 
@@ -43,6 +47,9 @@ CONFIG = REPO_ROOT / "deploy" / "envoy" / "envoy-extproc.yaml"
 PNG = image_bytes("PNG", (40, 30))
 POLICY = """
 extends: builtin
+media_urls:
+  schemes: [data, https, http]
+  allow_private: ["127.0.0.1/32"]
 models:
   - name: text-only
     match: ["text-only"]
@@ -187,6 +194,30 @@ def test_a_fallback_rewrites_the_body_the_model_server_receives(envoy, toy):
     assert received.headers["x-modalgate-model"] == "kimi-k3"
 
 
+def test_remote_media_reach_the_model_server_as_the_bytes_checked(envoy, toy):
+    media = start_server(Recorder(("127.0.0.1", 0), {"/a.png": lambda h: send_body(h, PNG)}))
+    try:
+        request = chat(image_part(f"{media.base}/a.png"))
+        answer = httpx.post(envoy + "/v1/chat/completions", json=request, timeout=30)
+    finally:
+        media.shutdown()
+    assert answer.status_code == 200, answer.text
+    (received,) = toy.received
+    forwarded = received.json()["messages"][0]["content"][0]["image_url"]["url"]
+    assert forwarded == data_url(PNG)  # inlined by the body mutation: no second download
+    assert int(received.headers["content-length"]) == len(received.body)
+
+
+def test_rules_extproc_cannot_carry_out_are_refused_at_start(tmp_path):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        "extends: builtin\nmodels:\n"
+        "  - {name: split, mode: encoder, accepts: [image], embeds: {}}\n"
+    )
+    with pytest.raises(StartupError, match="rule 'split': embeds rewrites call the encoder"):
+        create_app(str(policy), mode="encoder", extproc=True)
+
+
 def test_a_clients_own_decision_headers_never_reach_the_model_server(envoy, toy):
     evil = {"x-modalgate-rule": "evil", "x-modalgate-model": "evil", "x-modalgate-modalities": "x"}
     answer = httpx.post(envoy + "/v1/chat/completions", json=chat(), headers=evil)
@@ -274,11 +305,11 @@ def test_health_and_metrics_are_served_over_http(processor, envoy, toy):
     assert 'code="unsupported_modality"' in metrics
 
 
-def outcome(answer: httpx.Response) -> tuple[int, str | None, str | None]:
+def outcome(answer: httpx.Response) -> tuple[int, str | None, str | None, str | None]:
     if answer.status_code == 200:
-        return 200, None, None
+        return 200, None, None, None
     error = answer.json()["error"]
-    return answer.status_code, error["code"], error["param"]
+    return answer.status_code, error["code"], error["param"], error["message"]
 
 
 def test_the_real_server_corpus_has_the_same_outcomes_through_envoy_as_through_serve(upstream):
