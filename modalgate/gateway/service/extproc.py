@@ -42,14 +42,18 @@ class ExtProcAllow:
         if scope["type"] != "http" or not scope.get(AUTHZ_SCOPE_KEY):
             await self.app(scope, receive, send)
             return
-        body = bytearray()
+        chunks = []
         while True:
             message = await receive()
             if message["type"] != "http.request":
                 break
-            body += message.get("body", b"")
+            chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
+        # One message, nearly always (the gate replays the body whole): the very bytes
+        # the gate passed on, uncopied, so ``judge``'s caller sees an unchanged body as
+        # the same object.
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         model = rule = NONE
         modalities = b"text"
         verdict = get_verdict(scope)
@@ -69,7 +73,7 @@ class ExtProcAllow:
             (MODALITIES_HEADER, modalities),
         ]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": bytes(body), "more_body": False})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 @dataclass
@@ -130,7 +134,7 @@ async def judge(app: ASGIApp, scope: Scope, body: bytes) -> Decision:
             chunks.append(message.get("body", b""))
 
     await app({**scope, AUTHZ_SCOPE_KEY: True}, receive, send)
-    decision.body = b"".join(chunks)
+    decision.body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     return decision
 
 

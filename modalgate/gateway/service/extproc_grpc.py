@@ -140,23 +140,25 @@ class _Exchange:
 
     async def _body(self, message: ext_proc.HttpBody) -> list[ext_proc.ProcessingResponse]:
         assert self.scope is not None
-        self.body += message.body
         self.chunks += 1
-        cap = self.gateway.gate.read_cap
-        if len(self.body) > cap:  # judged as it is: the gate's own 413
-            return [self._refusal(await judge(self.gateway.app, self.scope, bytes(self.body)))]
-        if not message.end_of_stream:
-            return []
-        original = bytes(self.body)
+        if self.chunks == 1 and message.end_of_stream:  # BUFFERED: the body, uncopied
+            original = message.body
+        else:
+            self.body += message.body
+            if len(self.body) > self.gateway.gate.read_cap:  # as it is: the gate's own 413
+                return [self._refusal(await judge(self.gateway.app, self.scope, bytes(self.body)))]
+            if not message.end_of_stream:
+                return []
+            original = bytes(self.body)
         decision = await judge(self.gateway.app, self.scope, original)
         if not decision.allowed:
             return [self._refusal(decision)]
         self.finished = True
-        rewritten = decision.body if decision.body != original else None
-        return self._allowed(decision, rewritten)
+        unchanged = decision.body is original or decision.body == original
+        return self._allowed(decision, original, None if unchanged else decision.body)
 
     def _allowed(
-        self, decision: Decision, rewritten: bytes | None
+        self, decision: Decision, original: bytes, rewritten: bytes | None
     ) -> list[ext_proc.ProcessingResponse]:
         responses = []
         common = _allowing(decision, rewritten)
@@ -168,7 +170,7 @@ class _Exchange:
             )
             common = ext_proc.CommonResponse()
         if self.body_mode == Mode.FULL_DUPLEX_STREAMED:
-            body = rewritten if rewritten is not None else bytes(self.body)
+            body = rewritten if rewritten is not None else original
             common.body_mutation.streamed_response.body = body
             common.body_mutation.streamed_response.end_of_stream = True
             responses.append(
