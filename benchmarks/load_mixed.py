@@ -43,9 +43,10 @@ import orjson
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the corpora
 
-from _hostile import MP4_BYTES, WAV_BYTES  # the shared media
-from fuzz_long import ServeStack, scan_gateway_log
+from corpora.fuzz_long import ServeStack, scan_gateway_log
+from corpora.hostile import MP4_BYTES, WAV_BYTES  # the shared media
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/v1/chat/completions"

@@ -1,6 +1,6 @@
 """Hostile HTTP requests against the whole gateway: the long-run fuzzer at a CI budget.
 
-``benchmarks/fuzz_long.py`` runs a million of these; here a few thousand go
+``tests/corpora/fuzz_long.py`` runs a million of these; here a few thousand go
 through the gateway in process (as ASGI calls, the real ``create_app`` stack
 with its upstream pool replaced by a recording one), through ``ModalGate``
 alone in full mode, and a few hundred through a real ``modalgate serve``
@@ -11,25 +11,19 @@ broken gate, so a harness that silently stopped checking would fail too.
 
 ``MODALGATE_FUZZ_ASGI_REQUESTS`` sets the in-process budget (default 3000);
 ``MODALGATE_FUZZ_SEED`` the seed (fixed by default, so a failure reproduces:
-``python benchmarks/fuzz_long.py --seed S --requests N`` replays the run, and
-``python benchmarks/_hostile.py show S INDEX`` prints one request).
+``python tests/corpora/fuzz_long.py --seed S --requests N`` replays the run, and
+``python tests/corpora/hostile.py show S INDEX`` prints one request).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Any
 
 import pytest
-
-from conftest import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-
-import fuzz_long  # the long-run harness, shared
-from _hostile import ID_HEADER, UPSTREAM_MARK
+from corpora import fuzz_long  # the long-run harness, shared
+from corpora.hostile import ID_HEADER, UPSTREAM_MARK
 
 REQUESTS = int(os.environ.get("MODALGATE_FUZZ_ASGI_REQUESTS", "3000"))
 SEED = int(os.environ.get("MODALGATE_FUZZ_SEED", "20250601"))
@@ -156,7 +150,7 @@ def test_the_harness_catches_a_broken_gate():
 
 
 def test_envelope_and_bypass_checks_on_known_answers():
-    from _hostile import HostileRequest, envelope_problem, upstream_findings
+    from corpora.hostile import HostileRequest, envelope_problem, upstream_findings
 
     good = (
         b'{"error":{"message":"m","type":"invalid_request_error","param":null,'

@@ -1,6 +1,6 @@
 """Hostile HTTP requests for the gateway, and the checks every answer must pass.
 
-Shared by ``benchmarks/fuzz_long.py`` (the long run), ``benchmarks/load_mixed.py``
+Shared by ``tests/corpora/fuzz_long.py`` (the long run), ``benchmarks/load_mixed.py``
 (its media) and ``tests/hardening/test_fuzz_asgi.py`` (the CI budget). Hypothesis-free on
 purpose: a seeded ``random.Random`` mutating a corpus of valid and near-valid
 bodies makes a million requests in minutes and any one of them is reproduced
@@ -18,7 +18,7 @@ Three parts:
 * ``upstream_findings``: what the model server behind the gate must never see:
   a media part its model's rule refuses, read the way a lenient server reads it
   (last copy of a duplicate key wins, paths normalised, types inferred from
-  payload keys). The recording upstreams (in-process and ``python _hostile.py
+  payload keys). The recording upstreams (in-process and ``python hostile.py
   upstream``) run it on every request that reaches them.
 """
 
@@ -43,7 +43,7 @@ import orjson
 from PIL import Image
 
 # The media stubs the tests use (tests/media_stubs.py), one copy for both.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, run as a script
 from media_stubs import MP4_BYTES, PDF_BYTES, WAV_BYTES, jpeg_with, png_bomb, png_with_chunks
 
 # ---------------------------------------------------------------- media bytes
@@ -1431,7 +1431,7 @@ def upstream_reply(body: bytes) -> tuple[int, list[tuple[bytes, bytes]], list[by
 class RecordingUpstream:
     """A catch-all ASGI model server: answers every path, checks what it received.
 
-    Run as its own process for the through-serve target (``python _hostile.py
+    Run as its own process for the through-serve target (``python hostile.py
     upstream --port P --mode encoder --served kimi-k3``); ``GET /_fuzz/findings``
     returns the findings and the count of requests seen.
     """

@@ -10,7 +10,7 @@ Two targets:
   (``--app middleware`` instead wraps a recording ASGI app in ``ModalGate``: the
   public API only). Runs ``--workers`` processes.
 * ``--target serve``: a real ``modalgate serve --upstream`` subprocess in front of
-  a recording upstream subprocess (``_hostile.py upstream``), driven over raw
+  a recording upstream subprocess (``hostile.py upstream``), driven over raw
   sockets at ``--concurrency`` (a raw client, because an HTTP library refuses to
   send much of what a hostile client sends).
 
@@ -22,9 +22,9 @@ and no internals in its messages; and the upstream never receives a media part
 the model's rule refuses (a bypass). Failing inputs (the first 20 of each class)
 are saved, minimised where the asgi target reproduces them, under ``--save``.
 
-    python benchmarks/fuzz_long.py --requests 200000 --workers 2 --report fuzz.json
-    python benchmarks/fuzz_long.py --target serve --requests 20000 --concurrency 16
-    python benchmarks/fuzz_long.py --replay /tmp/fuzz_findings/unhandled/0.json
+    python tests/corpora/fuzz_long.py --requests 200000 --workers 2 --report fuzz.json
+    python tests/corpora/fuzz_long.py --target serve --requests 20000 --concurrency 16
+    python tests/corpora/fuzz_long.py --replay /tmp/fuzz_findings/unhandled/0.json
 
 Exit status: 0 when every invariant held, 1 when any failed, 2 on a usage error.
 """
@@ -56,9 +56,9 @@ from typing import Any
 import httpx
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, run as a script
 
-from _hostile import (  # the sibling module, found through the path above
+from corpora.hostile import (  # found through the path above
     FAULT_HEADER,
     ID_HEADER,
     UPSTREAM_MARK,
@@ -721,7 +721,7 @@ class ServeStack:
         here = Path(__file__).resolve().parent
         command = self.upstream_command or [
             sys.executable,
-            str(here / "_hostile.py"),
+            str(here / "hostile.py"),
             "upstream",
             "--mode",
             self.mode or "",
