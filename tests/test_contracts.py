@@ -8,6 +8,7 @@ the hook must follow them (or go) before that version is allowed in pyproject.
 from __future__ import annotations
 
 import ast
+import asyncio
 import ctypes
 import inspect
 import subprocess
@@ -58,7 +59,13 @@ def test_uvicorns_httptools_protocol_has_what_the_serve_protocol_uses():
     ``HttpToolsProtocol``: every attribute it uses and does not define is the base's."""
     config = Config(app=lambda scope, receive, send: None, http="httptools")
     config.load()
-    base = httptools_impl.HttpToolsProtocol(config=config, server_state=ServerState(), app_state={})
+    loop = asyncio.new_event_loop()
+    try:
+        base = httptools_impl.HttpToolsProtocol(
+            config=config, server_state=ServerState(), app_state={}, _loop=loop
+        )
+    finally:
+        loop.close()
     ours = http_protocol.ServeHttpProtocol
     used = attributes_used_on_self(ours) | attributes_used_on_self(ours.__mro__[1])
     inherited = sorted(name for name in used if name not in own_names(ours))

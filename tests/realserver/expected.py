@@ -29,9 +29,10 @@ ON_PURPOSE: dict[str, tuple[str, str]] = {
     # A file after the image (an MP4, a ZIP after IEND): polyglots are refused.
     "polyglot": (r"^polyglot-png-.*", "invalid_image"),
     # Parts this server drops without a word (the model never sees them): refused as
-    # the model's modality table says.
+    # the model's modality table says. (Audio to this image-only model is dropped once
+    # the WAV is one a loader can read; a 4-sample one made the server fail.)
     "dropped-part": (
-        r"^part-(file|file-id|input_file|image_embeds|audio_embeds)$",
+        r"^part-(file|file-id|input_file|image_embeds|audio_embeds|input_audio|audio_url)$",
         "unsupported_modality",
     ),
     "unknown-part-type": (r"^part-(image_pil|unknown-type)$", "unsupported_content_type"),

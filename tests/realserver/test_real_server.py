@@ -80,7 +80,6 @@ def test_no_body_gets_past_the_gate_to_hurt_the_server(differential):
         ("jpeg-scan-corrupt", "invalid_image"),
         ("format-TIFF-64x48", "unsupported_image_format"),
         ("part-video_url", "unsupported_modality"),
-        ("part-input_audio", "unsupported_modality"),
     ],
 )
 def test_what_hurts_the_server_is_refused_with_its_code(differential, case, code):
