@@ -166,6 +166,38 @@ def qwen_smart_resize_tokens(width: int, height: int, spec: TokenSpec) -> int:
     return (h_bar // factor) * (w_bar // factor)
 
 
+def volume_smart_resize(
+    height: int,
+    width: int,
+    frames: int,
+    temporal: int,
+    factor: int,
+    min_pixels: int,
+    max_pixels: int,
+    what: str,
+) -> tuple[int, int]:
+    """The resized sides of a clip whose pixel bounds hold for all its frames at once
+    (GLM-4V's ``smart_resize``, and Qwen3-VL's video one): sides shorter than the factor
+    scaled up first (truncated with ``int``), then rounded to it, then rescaled (floor
+    when over ``max_pixels``, ceil when under ``min_pixels``)."""
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > QWEN_MAX_ASPECT:
+        raise TokenEstimateError(f"{what} aspect ratio must be at most {QWEN_MAX_ASPECT}:1")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(frames * height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 def glm4v_tokens(width: int, height: int, spec: TokenSpec) -> int:
     """Tokens from GLM-4.1V/4.5V's ``smart_resize`` (transformers ``glm4v``).
 
@@ -179,25 +211,9 @@ def glm4v_tokens(width: int, height: int, spec: TokenSpec) -> int:
     min_pixels = spec.min_pixels or GLM_MIN_PIXELS
     max_pixels = spec.max_pixels or GLM_MAX_PIXELS
     factor = patch * merge
-    frames = GLM_TEMPORAL
-
-    if height < factor or width < factor:
-        scale = max(factor / height, factor / width)
-        height = int(height * scale)
-        width = int(width * scale)
-    if max(height, width) / min(height, width) > QWEN_MAX_ASPECT:
-        raise TokenEstimateError(f"image aspect ratio must be at most {QWEN_MAX_ASPECT}:1")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    t_bar = round(frames / GLM_TEMPORAL) * GLM_TEMPORAL
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
+    h_bar, w_bar = volume_smart_resize(
+        height, width, GLM_TEMPORAL, GLM_TEMPORAL, factor, min_pixels, max_pixels, "image"
+    )
     return (h_bar // factor) * (w_bar // factor)
 
 

@@ -21,14 +21,13 @@ loaders: ``num_frames``, ``fps``) writes fewer: the estimate is then an upper bo
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 from modalgate.policy.models import TokenSpec
 from modalgate.validators.tokens import (
-    QWEN_MAX_ASPECT,
     TokenEstimateError,
     qwen_smart_resize_tokens,
+    volume_smart_resize,
 )
 
 # Qwen2VLVideoProcessor's class defaults.
@@ -73,21 +72,9 @@ def qwen3_vl_video_tokens(
     factor = patch * merge
     min_pixels = spec.video_min_pixels or QWEN3_VIDEO_MIN_PIXELS
     max_pixels = spec.video_max_pixels or QWEN3_VIDEO_MAX_PIXELS
-    if height < factor or width < factor:  # scaled up first, truncated as the processor does
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > QWEN_MAX_ASPECT:
-        raise TokenEstimateError(f"video aspect ratio must be at most {QWEN_MAX_ASPECT}:1")
-    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    t_bar = round(sampled / temporal) * temporal
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt(sampled * height * width / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (sampled * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
+    h_bar, w_bar = volume_smart_resize(
+        height, width, sampled, temporal, factor, min_pixels, max_pixels, "video"
+    )
     return -(-sampled // temporal) * (h_bar // factor) * (w_bar // factor)
 
 
