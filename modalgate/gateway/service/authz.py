@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modalgate.gateway.gate.middleware import get_verdict
 from modalgate.policy import Policy, RuleMatcher
+from modalgate.validators import Verdict
 
 AUTHZ_SCOPE_KEY = "modalgate.authz"  # marks a check; its path is the client's own
 MODEL_HEADER = b"x-modalgate-model"  # the model the request was judged as
@@ -74,17 +75,22 @@ class AllowChecked:
         # Both headers every time, ``-`` for none: Envoy overwrites a request header only
         # when the check's answer carries it, so one left out would reach the model server
         # with the client's own value (deploy/envoy/envoy.yaml strips those too).
-        model = rule = NONE
-        verdict = get_verdict(scope)
-        if verdict is not None:
-            judged = verdict.judged_as or verdict.model
-            if judged:
-                model = header_value(judged)
-            if verdict.rule is not None and verdict.rule.known:
-                rule = header_value(verdict.rule.name)
+        model, rule = judged_headers(get_verdict(scope))
         headers = [(b"content-length", b"0"), (MODEL_HEADER, model), (RULE_HEADER, rule)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def judged_headers(verdict: Verdict | None) -> tuple[bytes, bytes]:
+    """``x-modalgate-model`` and ``x-modalgate-rule`` for a verdict, ``-`` for none."""
+    model = rule = NONE
+    if verdict is not None:
+        judged = verdict.judged_as or verdict.model
+        if judged:
+            model = header_value(judged)
+        if verdict.rule is not None and verdict.rule.known:
+            rule = header_value(verdict.rule.name)
+    return model, rule
 
 
 def header_value(text: str) -> bytes:
@@ -107,16 +113,21 @@ def authz_problems(policy: Policy, mode: str | None) -> list[str]:
                 "ext_authz cannot forward (use modalgate serve --upstream)"
             )
         if rule.upstream:
-            problems.append(
-                f"rule {rule.name!r}: its own upstream is Envoy's to route to (a route on "
-                "the x-modalgate-rule header), not the policy's"
-            )
+            problems.append(own_upstream_problem(rule.name))
         if rule.embeds is not None:
             problems.append(
                 f"rule {rule.name!r}: embeds rewrite the request's images, which Envoy's "
                 "ext_authz cannot forward (use modalgate serve --upstream)"
             )
     return problems
+
+
+def own_upstream_problem(rule_name: str) -> str:
+    """Behind Envoy (ext_authz or ext_proc), where a request goes is Envoy's routing."""
+    return (
+        f"rule {rule_name!r}: its own upstream is Envoy's to route to (a route on "
+        "the x-modalgate-rule header), not the policy's"
+    )
 
 
 def authz_policy(policy: Policy) -> Policy:

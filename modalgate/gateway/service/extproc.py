@@ -22,8 +22,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modalgate.gateway.gate.middleware import get_verdict
 from modalgate.gateway.gate.paths import with_normalized_path
-from modalgate.gateway.service.authz import AUTHZ_SCOPE_KEY, MODEL_HEADER, NONE, RULE_HEADER
-from modalgate.gateway.service.authz import header_value as safe_header_value
+from modalgate.gateway.service.authz import (
+    AUTHZ_SCOPE_KEY,
+    MODEL_HEADER,
+    RULE_HEADER,
+    judged_headers,
+    own_upstream_problem,
+)
 from modalgate.policy import Policy, RuleMatcher
 
 MODALITIES_HEADER = b"x-modalgate-modalities"  # what the request carries: text,image,...
@@ -54,17 +59,10 @@ class ExtProcAllow:
         # the gate passed on, uncopied, so ``judge``'s caller sees an unchanged body as
         # the same object.
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        model = rule = NONE
-        modalities = b"text"
         verdict = get_verdict(scope)
-        if verdict is not None:
-            judged = verdict.judged_as or verdict.model
-            if judged:
-                model = safe_header_value(judged)
-            if verdict.rule is not None and verdict.rule.known:
-                rule = safe_header_value(verdict.rule.name)
-            present = sorted({part.modality for part in verdict.parts})
-            modalities = ",".join(["text", *present]).encode("ascii")
+        model, rule = judged_headers(verdict)
+        present = sorted({part.modality for part in verdict.parts}) if verdict else []
+        modalities = ",".join(["text", *present]).encode("ascii")
         headers = [
             (b"content-length", str(len(body)).encode("ascii")),
             (DECISION_HEADER, b"allow"),
@@ -143,10 +141,7 @@ def extproc_problems(policy: Policy, mode: str | None) -> list[str]:
     problems = []
     for rule in RuleMatcher(policy, mode).rules:
         if rule.upstream:
-            problems.append(
-                f"rule {rule.name!r}: its own upstream is Envoy's to route to (a route on "
-                "the x-modalgate-rule header), not the policy's"
-            )
+            problems.append(own_upstream_problem(rule.name))
         if rule.embeds is not None:
             problems.append(
                 f"rule {rule.name!r}: embeds rewrites call the encoder on the way to the model"
