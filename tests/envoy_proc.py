@@ -59,3 +59,15 @@ def running_envoy(config: dict[str, Any], probe: str) -> Iterator[str]:
         finally:
             process.terminate()
             process.wait(10)
+
+
+def config_on_ports(path: Path, listen: int, clusters: dict[str, int]) -> dict[str, Any]:
+    """The Envoy config at ``path`` with its listener on ``listen`` and each named
+    cluster's one endpoint on the port ``clusters`` gives it."""
+    config = yaml.safe_load(path.read_text("utf-8"))
+    resources = config["static_resources"]
+    resources["listeners"][0]["address"]["socket_address"]["port_value"] = listen
+    for cluster in resources["clusters"]:
+        endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+        endpoint["address"]["socket_address"]["port_value"] = clusters[cluster["name"]]
+    return config

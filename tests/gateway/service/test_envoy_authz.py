@@ -15,8 +15,7 @@ import httpx
 import openai
 import orjson
 import pytest
-import yaml
-from envoy_proc import running_envoy
+from envoy_proc import config_on_ports, running_envoy
 from pydantic import ValidationError
 
 from conftest import (
@@ -52,13 +51,7 @@ media_urls:
 def envoy_config(listen: int, upstream: int, modalgate: int) -> dict[str, Any]:
     """docs' Envoy config with its three ports moved: the listener, the model server,
     modalgate."""
-    config = yaml.safe_load(CONFIG.read_text("utf-8"))
-    resources = config["static_resources"]
-    resources["listeners"][0]["address"]["socket_address"]["port_value"] = listen
-    ports = {"model_server": upstream, "modalgate": modalgate}
-    for cluster in resources["clusters"]:
-        endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
-        endpoint["address"]["socket_address"]["port_value"] = ports[cluster["name"]]
+    config = config_on_ports(CONFIG, listen, {"model_server": upstream, "modalgate": modalgate})
     http_service = ext_authz(config)["http_service"]
     http_service["server_uri"]["uri"] = f"http://127.0.0.1:{modalgate}"
     return config

@@ -21,7 +21,7 @@ import openai
 import pytest
 import yaml
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
-from envoy_proc import running_envoy
+from envoy_proc import config_on_ports, running_envoy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import (
@@ -60,13 +60,8 @@ models:
 
 def extproc_config(listen: int, upstream: int, processor: int, **changes: Any) -> dict:
     """deploy's ext_proc config, its ports moved; ``changes`` go into the filter's config."""
-    config = yaml.safe_load(CONFIG.read_text("utf-8"))
-    resources = config["static_resources"]
-    resources["listeners"][0]["address"]["socket_address"]["port_value"] = listen
     ports = {"model_server": upstream, "modalgate_extproc": processor}
-    for cluster in resources["clusters"]:
-        endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
-        endpoint["address"]["socket_address"]["port_value"] = ports[cluster["name"]]
+    config = config_on_ports(CONFIG, listen, ports)
     filter_config(config).update(changes)
     return config
 
