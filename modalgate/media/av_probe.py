@@ -61,11 +61,11 @@ FIRST_FRAME_PACKETS = 32
 # decodes (H.264 at ~200 Mpixel/s, PCM and FLAC at ~50 Msample/s), so a real clip never
 # runs out and a hostile one runs out soon after the work it has earned.
 VERIFY_PIXELS_PER_SECOND = 20e6
+VERIFY_SAMPLES_PER_SECOND = 5e6
 # Pixels a verifying probe decodes of one video before it only counts the rest: a server
 # samples a long video's frames (vLLM: 32), the gate must not decode thousands of them.
 # 2^27: 64 frames of 1080p, 1,747 of 320x240; about a second of one core.
 VERIFY_PIXELS = 1 << 27
-VERIFY_SAMPLES_PER_SECOND = 5e6
 
 
 class MediaProbeError(ValueError):
