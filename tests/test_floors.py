@@ -20,6 +20,7 @@ def test_every_direct_dependency_is_pinned_to_its_floor():
     assert set(pins) == wanted
     assert pins["uvicorn"] == "0.55"  # the extra is dropped: constraints take bare names
     assert pins["starlette"] == "0.37.2"
+    assert pins["av"] == "16"
 
 
 def test_a_requirement_without_a_floor_is_refused(monkeypatch, tmp_path):

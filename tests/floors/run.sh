@@ -22,6 +22,11 @@ NEEDS_REFERENCE_STACK=(
     tests/gateway/service/test_proxy_embeds.py
     tests/gateway/service/test_envoy_extproc.py   # grpcio, Envoy
 )
+# Checks of the tree against the newest, not of the floors: docs/policy.schema.json is
+# written by the newest pydantic (2.7 spells a one-value Literal with an extra "enum").
+NEWEST_ONLY=(
+    tests/policy/test_policy.py::test_schema_doc_is_current
+)
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -44,4 +49,4 @@ echo "floors: $(tr '\n' ' ' <"$CONSTRAINTS")"
 cd "$ROOT"
 "$VENV/bin/python" -m pytest -p no:cacheprovider \
     tests/validators tests/gateway tests/policy tests/media tests/test_errors.py \
-    "${NEEDS_REFERENCE_STACK[@]/#/--ignore=}"
+    "${NEEDS_REFERENCE_STACK[@]/#/--ignore=}" "${NEWEST_ONLY[@]/#/--deselect=}"
