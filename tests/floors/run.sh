@@ -42,7 +42,7 @@ trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "floors: $(tr '\n' ' ' <"$CONSTRAINTS")"
 "$VENV/bin/python" -m pip --disable-pip-version-check -q install \
     -c "$CONSTRAINTS" -e "$ROOT" -r "$HERE/tools.txt"
-# The floors really are what got installed (a constraint pip could not honour fails above).
+# What got installed, for the log (pip fails above where it cannot honour a constraint).
 "$VENV/bin/python" -m pip --disable-pip-version-check list --format=freeze \
     | grep -iE "^($(sed 's/==.*//' "$CONSTRAINTS" | paste -sd'|'))==" || true
 
