@@ -2,7 +2,7 @@
 
 CI's main job installs the newest of everything, so a floor nobody raised can be a floor
 nobody tested: this prints a pip constraints file (`name==floor`) that the floors job
-installs the package under (tests/floors/install.sh). A requirement without a `>=` floor
+installs the package under (tests/floors/run.sh). A requirement without a `>=` floor
 is an error here, not a silent newest.
 """
 
