@@ -101,11 +101,11 @@ http {{
 
 def envoy_config(listen: int, upstream: int, authz: int | None) -> dict[str, Any]:
     """deploy/envoy/envoy.yaml on these ports; without ``authz``, a plain proxy."""
-    config = yaml.safe_load(ENVOY_CONFIG.read_text("utf-8"))
+    config = config_on_ports(
+        ENVOY_CONFIG, listen, {"model_server": upstream, "modalgate": authz or 0}
+    )
     resources = config["static_resources"]
-    listener = resources["listeners"][0]
-    listener["address"]["socket_address"]["port_value"] = listen
-    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    manager = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     if authz is None:
         manager["http_filters"] = manager["http_filters"][-1:]  # the router alone
         resources["clusters"] = [c for c in resources["clusters"] if c["name"] != "modalgate"]
@@ -115,10 +115,6 @@ def envoy_config(listen: int, upstream: int, authz: int | None) -> dict[str, Any
         )
         service = authz_filter["typed_config"]["http_service"]
         service["server_uri"]["uri"] = f"http://127.0.0.1:{authz}"
-    ports = {"model_server": upstream, "modalgate": authz}
-    for cluster in resources["clusters"]:
-        endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
-        endpoint["address"]["socket_address"]["port_value"] = ports[cluster["name"]]
     return config
 
 
