@@ -10,86 +10,108 @@ from __future__ import annotations
 import ast
 import asyncio
 import ctypes
-import inspect
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import uvicorn
 from PIL import Image
-from uvicorn.config import Config
-from uvicorn.protocols.http import httptools_impl
-from uvicorn.server import ServerState
 
+import modalgate
 from modalgate.gateway import body_reader, http_protocol
 from modalgate.media import pillow_planes
 
-
-def attributes_used_on_self(cls: type) -> set[str]:
-    """Every ``self.name`` the class's own methods read or call."""
-    tree = ast.parse(inspect.getsource(cls))
-    used = set()
-    for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.Attribute)
-            and isinstance(node.value, ast.Name)
-            and node.value.id == "self"
-        ):
-            used.add(node.attr)
-    return used
+PACKAGE = Path(modalgate.__file__).parent
 
 
-def own_names(cls: type) -> set[str]:
-    """Names the class (and its own modalgate bases) define or assign on ``self``."""
-    names = set()
-    for klass in cls.__mro__:
-        if not klass.__module__.startswith("modalgate"):
-            continue
-        names |= set(vars(klass))
-        tree = ast.parse(inspect.getsource(klass))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                names.add(node.attr)
-    return names
+def imports_below_public_apis() -> list[str]:
+    """Every import in modalgate of a dependency's private module or name: a segment or
+    name starting with ``_``, or uvicorn's protocol implementations."""
+    found = []
+    for source in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.Import):
+                modules, names = [alias.name for alias in node.names], []
+            else:
+                continue
+            for module in modules:
+                if module == "__future__" or module.split(".")[0] == "modalgate":
+                    continue
+                private = [part for part in module.split(".") if part.startswith("_")]
+                private += [name for name in names if name.startswith("_")]
+                if private or module.startswith("uvicorn.protocols"):
+                    found.append(f"{source.relative_to(PACKAGE)}:{node.lineno} {module}")
+    return found
 
 
-def test_uvicorns_httptools_protocol_has_what_the_serve_protocol_uses():
-    """``http_protocol.ServeHttpProtocol`` subclasses uvicorn's private
-    ``HttpToolsProtocol``: every attribute it uses and does not define is the base's."""
-    config = Config(app=lambda scope, receive, send: None, http="httptools")
-    config.load()
-    loop = asyncio.new_event_loop()
-    try:
-        base = httptools_impl.HttpToolsProtocol(
-            config=config, server_state=ServerState(), app_state={}, _loop=loop
+def test_no_module_imports_a_private_part_of_a_dependency():
+    """serve's protocol used to subclass uvicorn's private ``HttpToolsProtocol``; it is
+    modalgate's own now (``gateway/http11.py``), on httptools' public parser."""
+    assert imports_below_public_apis() == []
+
+
+def test_the_private_import_check_finds_one(tmp_path, monkeypatch):
+    (tmp_path / "hook.py").write_text(
+        "from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol\n"
+        "from starlette._utils import is_async_callable\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path)
+    assert imports_below_public_apis() == [
+        "hook.py:1 uvicorn.protocols.http.httptools_impl",
+        "hook.py:2 starlette._utils",
+    ]
+
+
+async def _answer(_scope, receive, send) -> None:
+    await receive()
+    headers = [(b"content-length", b"2")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def test_uvicorn_hosts_the_protocol_as_it_hosts_any_protocol_class():
+    """What ``http11.Http11Protocol`` takes from ``uvicorn.Server``: it is built per
+    connection from ``Config(http=cls)`` with the server's ``config``, ``server_state``
+    and ``app_state``, is counted in ``server_state.connections``, counts its answers in
+    ``server_state.total_requests``, and is told to ``shutdown()`` when the server
+    stops (an idle kept-alive connection closes then)."""
+
+    async def main() -> tuple[list[type], int, bytes, bytes]:
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        config = uvicorn.Config(
+            _answer, http=http_protocol.ServeHttpProtocol, lifespan="off", log_level="warning"
         )
-    finally:
-        loop.close()
-    ours = http_protocol.ServeHttpProtocol
-    used = attributes_used_on_self(ours) | attributes_used_on_self(ours.__mro__[1])
-    inherited = sorted(name for name in used if name not in own_names(ours))
-    assert len(inherited) >= 10  # cycle, flow, scope, _should_upgrade, ...: the check has work
-    missing = [name for name in inherited if not hasattr(base, name)]
-    assert missing == [], f"uvicorn {uvicorn.__version__}: HttpToolsProtocol lacks {missing}"
-    for method in ("on_message_begin", "on_message_complete", "on_headers_complete",
-                   "on_response_complete", "connection_made", "connection_lost",
-                   "handle_websocket_upgrade", "send_400_response"):  # fmt: skip
-        assert callable(getattr(httptools_impl.HttpToolsProtocol, method, None)), (
-            f"uvicorn {uvicorn.__version__}: HttpToolsProtocol.{method} is gone"
-        )
+        server = uvicorn.Server(config)
+        serving = asyncio.create_task(server.serve(sockets=[listener]))
+        for _ in range(200):
+            if server.started:
+                break
+            await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = await asyncio.wait_for(reader.readuntil(b"ok"), 5)
+        kinds = [type(connection) for connection in server.server_state.connections]
+        requests = server.server_state.total_requests
+        server.should_exit = True
+        after = await asyncio.wait_for(reader.read(), 5)  # b"": closed by shutdown()
+        writer.close()
+        await asyncio.wait_for(serving, 10)
+        return kinds, requests, answer, after
 
-
-def test_uvicorns_request_response_cycle_has_what_the_body_handover_reads():
-    cycle = inspect.signature(httptools_impl.RequestResponseCycle.__init__).parameters
-    for name in ("scope", "transport", "flow", "logger", "access_logger", "access_log",
-                 "default_headers", "message_event", "expect_100_continue", "keep_alive",
-                 "on_response"):  # fmt: skip
-        assert name in cycle, f"uvicorn {uvicorn.__version__}: RequestResponseCycle({name}=)"
-    source = inspect.getsource(httptools_impl.RequestResponseCycle)
-    for attribute in ("self.body", "self.more_body", "self.message_event"):
-        assert attribute in source, f"uvicorn {uvicorn.__version__}: {attribute} is gone"
-    assert isinstance(http_protocol.HIGH_WATER_LIMIT, int)
+    version = f"uvicorn {uvicorn.__version__}"
+    kinds, requests, answer, after = asyncio.run(main())
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), version
+    assert kinds == [http_protocol.ServeHttpProtocol], f"{version}: server_state.connections"
+    assert requests == 1, f"{version}: server_state.total_requests"
+    assert after == b"", f"{version}: shutdown() left the idle connection open"
 
 
 @pytest.mark.skipif(sys.implementation.name != "cpython", reason="the hook is CPython's")

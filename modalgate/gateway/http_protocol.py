@@ -1,5 +1,6 @@
-"""uvicorn's httptools protocol, with a request body handed over whole and a response's
-head and body sent in one write.
+"""``modalgate serve``'s HTTP/1.1 protocol: a request body handed over whole, heads
+measured and capped, slow clients timed out. Its base, ``http11.Http11Protocol``, is
+modalgate's own, on httptools' public parser (no uvicorn internals); uvicorn hosts it.
 
 A body of a declared length up to ``WHOLE_BODY_BYTES`` reaches the app in one
 message once it is all in. uvicorn hands over what has arrived at each read (an
@@ -15,13 +16,7 @@ or more are still to come, the kernel reads them into the body's own ``bytes``
 without a length (chunked: a client streaming as it goes) or a longer one is handed
 over as it arrives, as uvicorn does.
 
-uvicorn writes the status line and headers the moment ``http.response.start``
-arrives and the body when ``http.response.body`` does: two ``send`` calls, two
-packets, two wake-ups of the client for every small response. A proxy holds the
-whole answer of a small upstream response at once, so the two messages come in the
-same turn of the event loop; writes made in one turn here leave together at the end
-of it (what Envoy and nginx do with their write buffers): ~9% less CPU per small
-proxied request under ``modalgate serve`` (``benchmarks/p7_proxies.py``, text body).
+Writes made in one turn of the event loop leave together (``http11.CoalescingTransport``).
 
 A client that goes silent while its request is being read (headers or body) is
 answered ``408 request_timeout`` once nothing has arrived for ``read_timeout_s``, and
@@ -51,19 +46,16 @@ import logging
 import math
 from collections.abc import Callable
 from contextlib import suppress
-from functools import lru_cache, partial
+from functools import partial
 from typing import Any
 
 import httptools
-from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from modalgate.errors import ErrorCode, Violation, error_json
+from modalgate.errors import ErrorCode, Violation
 from modalgate.gateway.body_reader import WholeBodyReader
+from modalgate.gateway.http11 import Http11Protocol, closing_answer, malformed, new_parser
+from modalgate.gateway.http_cycle import HIGH_WATER_BYTES
 
-# Past this many bytes held, writes go out at once: a fast upstream's stream
-# must not pile up here while the loop turn goes on.
-FLUSH_AT_BYTES = 64 * 1024
 # The rest of a whole body, from this size on, is read into it in place (``body_reader``);
 # less arrives in a read or two, not worth swapping protocols for.
 IN_PLACE_MIN_BYTES = 64 * 1024
@@ -102,94 +94,7 @@ _HEAD, _CHUNKED, _WHOLE, _LENGTH, _DONE = range(5)  # in this order (``_parse``)
 _NEVER = math.inf
 
 
-class CoalescingTransport:
-    """The transport as the protocol sees it: writes wait for the end of the loop turn."""
-
-    __slots__ = ("_held", "_held_bytes", "_loop", "transport")
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self.transport = transport
-        self._loop = loop
-        self._held: list[bytes] | None = None
-        self._held_bytes = 0
-
-    def write(self, data: bytes) -> None:
-        if not data:
-            return
-        held = self._held
-        if held is None:
-            self._held = [data]
-            self._held_bytes = len(data)
-            self._loop.call_soon(self.flush)
-        else:
-            held.append(data)
-            self._held_bytes += len(data)
-        if self._held_bytes >= FLUSH_AT_BYTES:
-            self.flush()
-
-    def writelines(self, lines: Any) -> None:
-        for data in lines:
-            self.write(data)
-
-    def flush(self) -> None:
-        held = self._held
-        if held is None:
-            return
-        self._held = None
-        if self.transport.is_closing():
-            return
-        self.transport.write(held[0] if len(held) == 1 else b"".join(held))
-
-    def close(self) -> None:
-        self.flush()  # a closing transport still sends what it was given
-        self.transport.close()
-
-    def write_eof(self) -> None:
-        self.flush()  # what was written before the end goes before it
-        self.transport.write_eof()
-
-    def abort(self) -> None:
-        self._held = None
-        self.transport.abort()
-
-    def is_closing(self) -> bool:
-        return self.transport.is_closing()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.transport, name)
-
-
-class CoalescingHttpToolsProtocol(HttpToolsProtocol):
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self.transport = CoalescingTransport(transport, self.loop)  # type: ignore[assignment]
-
-
-class _BodySoFar:
-    """Stands in for uvicorn's ``cycle.body`` bytearray: the chunks as received, joined
-    once by ``bytes()`` in uvicorn's ``receive`` (no copy for a body read in one piece)."""
-
-    __slots__ = ("chunks", "size", "whole")
-
-    def __init__(self, start: bytes | bytearray, whole: bool) -> None:
-        self.chunks: list[bytes] = [bytes(start)] if start else []  # bytes: the same object
-        self.size = len(start)
-        self.whole = whole  # held until the request's end
-
-    def __iadd__(self, data: bytes) -> _BodySoFar:
-        self.chunks.append(data)
-        self.size += len(data)
-        return self
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __bytes__(self) -> bytes:
-        chunks = self.chunks
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-class ServeHttpProtocol(CoalescingHttpToolsProtocol):
+class ServeHttpProtocol(Http11Protocol):
     """``modalgate serve``'s protocol: request bodies whole (above), writes coalesced,
     the client's going away told by a callback (``ON_CLIENT_GONE``), a request's head
     capped in size (``max_header_bytes``), and a client timed out while its request is
@@ -267,7 +172,7 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
         """``data`` from ``pos`` to llhttp, a piece at a time: each ends where a head or a
         body ends (or may end), so each head is measured, and the next begins a piece.
         Each piece is fed as uvicorn's ``data_received`` feeds a read."""
-        self._unset_keepalive_if_required()
+        self.cancel_keep_alive()
         size = len(data)
         view = None
         while pos < size:
@@ -305,18 +210,8 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
                 if view is None:
                     view = memoryview(data)
                 piece = view[pos:stop]
-            try:
-                self.parser.feed_data(piece)
-            except httptools.HttpParserError:
-                message = "Invalid HTTP request received."
-                self.logger.warning(message)
-                self.send_400_response(message)
-                return
-            except httptools.HttpParserUpgrade:
-                if self._should_upgrade():
-                    self.handle_websocket_upgrade()
-                    return
-                self._unsupported_upgrade_warning()
+            if not self.feed(piece):
+                return  # refused, or an upgrade asked for: nothing more is read
             pos = stop
         if self._phase == _WHOLE and self._body_left >= IN_PLACE_MIN_BYTES:
             self._read_body_in_place()
@@ -339,12 +234,14 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
         cycle = self.cycle
         if self.flow.read_paused or cycle.response_complete or self.transport.is_closing():
             return  # the reads go on through data_received
-        so_far = cycle.body
-        start = so_far.chunks if type(so_far) is _BodySoFar else (so_far,)
-        size = len(so_far) + self._body_left
-        transport = self.transport.transport  # type: ignore[attr-defined]
+        size = cycle.body_size + self._body_left
         self._reader = WholeBodyReader(
-            self, transport, start, size, self._note_read, self._body_in_place
+            self,
+            self.transport.transport,
+            cycle.body_chunks,
+            size,
+            self._note_read,
+            self._body_in_place,
         )
 
     def _note_read(self) -> None:
@@ -352,8 +249,10 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
 
     def _body_in_place(self, body: bytes) -> None:
         self._reader = None
-        if not self.cycle.response_complete:
-            self.cycle.body = _BodySoFar(body, whole=True)
+        cycle = self.cycle
+        if not cycle.response_complete:
+            cycle.body_chunks = [body]
+            cycle.body_size = len(body)
         self._body_whole()
 
     def _body_whole(self) -> None:
@@ -366,15 +265,10 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
         cycle = self.cycle
         if cycle.response_complete:
             return  # answered already (say, refused from its headers): the rest is dropped
-        so_far = cycle.body
-        if type(so_far) is not _BodySoFar:
-            so_far = cycle.body = _BodySoFar(so_far, whole=True)
-        so_far += data
+        cycle.add_body(data)
 
     def _fresh_parser(self) -> None:
-        self.parser = httptools.HttpRequestParser(self)
-        with suppress(AttributeError):  # as uvicorn sets up its own (httptools >= 0.6)
-            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        self.parser = new_parser(self)
 
     def on_message_begin(self) -> None:
         if self._head_bytes == 0:
@@ -394,20 +288,26 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
         # leaves it, lenient_data_after_close).
         self._phase = _HEAD if cycle is None or cycle.keep_alive else _DONE
 
-    def handle_websocket_upgrade(self) -> None:
-        self._phase = _DONE  # the rest of the connection is the websocket protocol's
-        super().handle_websocket_upgrade()
+    def refuse_upgrade(self) -> None:
+        self._phase = _DONE  # llhttp reads nothing past a request that asks to upgrade
+        super().refuse_upgrade()
 
-    def send_400_response(self, msg: str) -> None:
-        self._phase = _DONE  # llhttp refused the bytes: nothing after them is read
-        super().send_400_response(msg)
+    def refuse_malformed(self, reason: str) -> None:
+        """llhttp refused the bytes: nothing after them is read. In a head, answered 400
+        once the requests before it have their answers; in a body, at once (the app
+        hears the client gone), unless its answer has begun (then the connection just
+        closes)."""
+        violation = malformed(reason)
+        if self._phase == _HEAD:
+            self._answer_head(closing_answer(violation), "client_request_malformed", violation)
+        else:
+            self._answer_in_body("client_request_malformed", violation)
 
     def _refuse_head(self) -> None:
         """431, and the connection closed: the head cannot be parsed past its end."""
         limit = self.max_header_bytes
-        self._answer_head(
-            _head_too_large_response(limit), "client_headers_too_large", _head_too_large(limit)
-        )
+        violation = _head_too_large(limit)
+        self._answer_head(closing_answer(violation), "client_headers_too_large", violation)
 
     def _answer_head(self, answer: bytes, event: str, violation: Violation) -> None:
         """A request refused before its head is in: nothing more is read, and the answer
@@ -475,7 +375,7 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
             or self.transport.is_closing()
             or (protocol is not self and getattr(protocol, "owner", None) is not self)
         ):
-            return  # closed, or upgraded to a websocket
+            return  # closed
         now = self.loop.time()
         phase = self._phase
         if not self._reading or phase == _DONE:
@@ -510,18 +410,24 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
             late = _body_late(self._body_s, self._rate)
         if phase == _HEAD:
             if begun:
-                self._answer_head(_timed_out_response(late), "client_timed_out", late)
+                self._answer_head(closing_answer(late), "client_timed_out", late)
             else:
                 self.transport.close()  # never began a request: closed without an answer
             return
-        # This request's cycle (its headers are in) may have answered already: then no 408.
+        self._answer_in_body("client_timed_out", late)
+
+    def _answer_in_body(self, event: str, violation: Violation) -> None:
+        """This request (its headers are in) refused while its body is read: answered and
+        closed, unless its answer has begun (then only closed)."""
+        self._phase = _DONE
+        self._reading = False
         cycle = self.cycle
         if cycle.response_started:
             self.transport.close()
             return
-        self.transport.write(_timed_out_response(late))
-        cycle.scope.setdefault("extensions", {})[ANSWERED_BY_SERVER] = 408  # type: ignore[typeddict-item]
-        self._refused("client_timed_out", late)
+        self.transport.write(closing_answer(violation))
+        cycle.scope.setdefault("extensions", {})[ANSWERED_BY_SERVER] = violation.status
+        self._refused(event, violation)
         # The app waiting for the body hears http.disconnect now, not when the linger ends.
         cycle.disconnected = True
         cycle.message_event.set()
@@ -544,15 +450,15 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
         self._tail = b""
         self._body_since = self._last_read
         cycle = self.cycle
-        length, chunked = 0, False
-        # Not an upgrade (llhttp treats what follows its headers otherwise).
-        if cycle is not None and cycle.scope is self.scope and not self.parser.should_upgrade():
-            length, chunked = _declared_body(cycle)
+        if self.parser.should_upgrade():
+            cycle.keep_alive = False  # answered as HTTP/1.1, then closed (``refuse_upgrade``)
+        length, chunked = _declared_body(self.headers)
         # No body: llhttp ends the request at once (on_message_complete).
         if chunked:
             self._phase = _CHUNKED
         else:
             self._phase = _WHOLE if 0 < length <= WHOLE_BODY_BYTES else _LENGTH
+        cycle.whole = self._phase == _WHOLE
         self._body_length = self._body_left = length
 
     def _call_when_gone(self, callback: Callable[[], object]) -> Callable[[], None]:
@@ -578,15 +484,12 @@ class ServeHttpProtocol(CoalescingHttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         cycle = self.cycle
         self._body_left -= len(body)
-        if cycle.response_complete or (self.parser.should_upgrade() and self._should_upgrade()):
+        if cycle.response_complete:
             return
-        so_far = cycle.body
-        if type(so_far) is not _BodySoFar:  # uvicorn starts each part with a bytearray
-            so_far = cycle.body = _BodySoFar(so_far, self._phase == _WHOLE)
-        so_far += body
-        if so_far.whole:
+        cycle.add_body(body)
+        if cycle.whole:
             return  # on_message_complete wakes the app (or connection_lost, on a disconnect)
-        if so_far.size > HIGH_WATER_LIMIT:
+        if cycle.body_size > HIGH_WATER_BYTES:
             self.flow.pause_reading()
         cycle.message_event.set()
 
@@ -614,26 +517,6 @@ def _head_too_large(limit: int) -> Violation:
     return Violation(ErrorCode.HEADERS_TOO_LARGE, message)
 
 
-def _timed_out_response(late: Violation) -> bytes:
-    return _closing_answer(b"Request Timeout", late)
-
-
-def _head_too_large_response(limit: int) -> bytes:
-    return _closing_answer(b"Request Header Fields Too Large", _head_too_large(limit))
-
-
-@lru_cache(maxsize=16)
-def _closing_answer(reason: bytes, violation: Violation) -> bytes:
-    """A whole answer in the error envelope, written by the protocol itself; the
-    connection closes after it."""
-    body = error_json([violation])
-    head = (
-        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\nconnection: close\r\n\r\n" % (violation.status, reason, len(body))
-    )
-    return head + body
-
-
 def _forget(callbacks: list[Callable[[], object]], callback: Callable[[], object]) -> None:
     with suppress(ValueError):
         callbacks.remove(callback)
@@ -647,12 +530,12 @@ def _or_never(seconds: float | None) -> float:
     return _NEVER if seconds is None else seconds
 
 
-def _declared_body(cycle: RequestResponseCycle) -> tuple[int, bool]:
+def _declared_body(headers: list[tuple[bytes, bytes]]) -> tuple[int, bool]:
     """The Content-Length (0 without one), and whether the body is chunked instead
     (llhttp refuses a request with both, a length it cannot read, and a request whose
     Transfer-Encoding does not end in chunked)."""
     length = b"0"
-    for name, value in cycle.scope["headers"]:
+    for name, value in headers:
         if name == b"content-length":
             length = value
         elif name == b"transfer-encoding":

@@ -26,7 +26,8 @@ import uvloop
 from conftest import serve
 from modalgate.gateway import body_reader, http_protocol
 from modalgate.gateway.body_reader import WholeBodyReader, as_bytes, writable_bytes
-from modalgate.gateway.http_protocol import FLUSH_AT_BYTES, ON_CLIENT_GONE, ServeHttpProtocol
+from modalgate.gateway.http11 import FLUSH_AT_BYTES, CoalescingTransport
+from modalgate.gateway.http_protocol import ON_CLIENT_GONE, ServeHttpProtocol
 
 WRITES: list[int] = []  # sizes of the real transport's writes, in order
 GO_ON = threading.Event()
@@ -204,7 +205,6 @@ def test_pipelined_requests_are_answered_in_order(server):
 
 def test_held_bytes_go_before_the_end_of_writing():
     """``write_eof`` in the turn that wrote: the bytes first, then the end (a real socket)."""
-    from modalgate.gateway.http_protocol import CoalescingTransport
 
     async def main() -> bytes:
         ours, theirs = socket.socketpair()
