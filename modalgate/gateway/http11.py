@@ -24,7 +24,6 @@ import asyncio
 import contextvars
 import logging
 from collections import deque
-from contextlib import suppress
 from functools import lru_cache
 from typing import Any
 from urllib.parse import unquote
@@ -332,9 +331,8 @@ class Http11Protocol(asyncio.Protocol):
 def new_parser(protocol: Http11Protocol) -> httptools.HttpRequestParser:
     parser = httptools.HttpRequestParser(protocol)
     # What follows a request that closes the connection is left unread, not refused:
-    # the request before it still gets its answer (httptools >= 0.6.3).
-    with suppress(AttributeError):
-        parser.set_dangerous_leniencies(lenient_data_after_close=True)
+    # the request before it still gets its answer.
+    parser.set_dangerous_leniencies(lenient_data_after_close=True)
     return parser
 
 

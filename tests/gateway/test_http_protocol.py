@@ -948,3 +948,102 @@ def test_a_deadline_for_a_head_behind_a_slow_answer_waits_for_that_answer(deadli
     assert answers[1][0] == b"HTTP/1.1 408 Request Timeout"
     assert json.loads(answers[1][1])["error"]["code"] == "request_timeout"
     assert len(answers) == 2 and waited > SLOW_S * 4 * 0.8
+
+
+# ---------------------------------------------------------------- bytes that are not HTTP/1.1
+
+
+class RefusalCountingApp:
+    """The app with ``protocol_refused``, as ``modalgate serve``'s gateway offers it."""
+
+    def __init__(self) -> None:
+        self.refused: list[str] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        await app(scope, receive, send)
+
+    def protocol_refused(self, violation) -> None:
+        self.refused.append(str(violation.code))
+
+
+@pytest.fixture(scope="module")
+def counted() -> Iterator[tuple[int, RefusalCountingApp]]:
+    counting = RefusalCountingApp()
+    with serve(counting, http=ServeHttpProtocol, proxy_headers=False) as url:  # unwrapped
+        yield int(url.rsplit(":", 1)[1]), counting
+
+
+def _malformed(response: bytes) -> str:
+    """The message of a 400 for bytes llhttp refused; the connection closed after it."""
+    head, _, body = response.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 400 Bad Request", response[:200]
+    assert b"connection: close" in lines and b"content-type: application/json" in lines
+    error = json.loads(body)["error"]
+    assert error["code"] == "invalid_request" and error["param"] is None
+    assert error["type"] == "invalid_request_error"
+    return error["message"]
+
+
+@pytest.mark.parametrize(
+    ("head", "reason"),
+    [
+        (b"content-length: 1\r\ncontent-length: 2\r\n", "Duplicate Content-Length"),
+        (b"ho st: t\r\n", "Invalid header token"),
+    ],
+    ids=["two lengths", "a space in a name"],
+)
+def test_a_head_llhttp_refuses_is_answered_400_in_the_envelope_and_counted(counted, head, reason):
+    port, counting = counted
+    counting.refused.clear()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(5)
+        sock.sendall(b"POST /echo HTTP/1.1\r\nhost: t\r\n" + head + b"\r\nab")
+        response, _ = _until_closed(sock)
+    assert _malformed(response) == f"the request is not valid HTTP/1.1: {reason}"
+    assert counting.refused == ["invalid_request"]
+
+
+def test_a_malformed_head_pipelined_behind_a_request_waits_for_its_answer(server):
+    """The client reads its answers in order: the first request's, then the 400."""
+    stream = _request("/slow") + b"GET / HTTP/1.1\r\nho st: t\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server)) as sock:
+        sock.settimeout(5)
+        sock.sendall(stream)
+        response, waited = _until_closed(sock)
+    answers = _answers(response)
+    assert answers[0] == (b"HTTP/1.1 200 OK", b"slow")
+    assert answers[1][0] == b"HTTP/1.1 400 Bad Request"
+    assert len(answers) == 2 and waited > SLOW_S * 0.8
+
+
+def test_a_malformed_chunk_is_answered_400_at_once_and_the_app_hears_a_disconnect(server):
+    """The app is waiting for the rest of the body: it hears ``http.disconnect``."""
+    DISCONNECTED.clear()
+    FIRST_PART_IN.clear()
+    with socket.create_connection(("127.0.0.1", server)) as sock:
+        sock.settimeout(5)
+        head = b"POST /echo HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+        sock.sendall(head + b"a\r\nfirst part\r\n")
+        assert FIRST_PART_IN.wait(5)
+        sock.sendall(b"zz\r\n")
+        response, _ = _until_closed(sock)
+    assert (
+        _malformed(response) == "the request is not valid HTTP/1.1: Invalid character in chunk size"
+    )
+    assert DISCONNECTED.wait(5)
+
+
+def test_an_upgrade_is_answered_as_http_and_the_connection_closed_after_it(server):
+    """No websocket or h2c here: what follows the Upgrade request is not read."""
+    upgrade = (
+        b"GET /small HTTP/1.1\r\nhost: t\r\nconnection: upgrade\r\nupgrade: websocket\r\n"
+        b"sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", server)) as sock:
+        sock.settimeout(5)
+        sock.sendall(upgrade + _request("/small"))
+        response, _ = _until_closed(sock)
+    answers = _answers(response)
+    assert answers == [(b"HTTP/1.1 200 OK", b"hello")]
+    assert b"connection: close" in response.split(b"\r\n\r\n")[0].split(b"\r\n")
