@@ -3,7 +3,7 @@ measured and capped, slow clients timed out. Its base, ``http11.Http11Protocol``
 modalgate's own, on httptools' public parser (no uvicorn internals); uvicorn hosts it.
 
 A body of a declared length up to ``WHOLE_BODY_BYTES`` reaches the app in one
-message once it is all in. uvicorn hands over what has arrived at each read (an
+message once it is all in. uvicorn's own protocol hands over what has arrived at each read (an
 880 KB body: a dozen wake-ups of the app, each copying the part so far out of a
 bytearray grown by copying), and stops reading past 64 KiB until the app asks
 again; the gate reads every gated body whole anyway. Here the chunks are kept as
@@ -33,7 +33,7 @@ and headers longer than ``max_header_bytes`` are answered ``431
 headers_too_large``: llhttp sets no limit, so a client sending header lines without
 end would grow the gateway's memory as long as it kept on. Each head is counted
 from its first byte to its end however the reads fall: llhttp is fed each read in
-pieces that end where a head or body ends (``_parse``). A 431 or 408 for a head
+pieces that end where a head or body ends (``_parse``). A 400, 431 or 408 for a head
 pipelined behind a request still being answered waits for that answer.
 
 Used by ``modalgate serve``; other servers hosting the app write as they do.
@@ -171,7 +171,7 @@ class ServeHttpProtocol(Http11Protocol):
     def _parse(self, data: bytes, pos: int) -> None:
         """``data`` from ``pos`` to llhttp, a piece at a time: each ends where a head or a
         body ends (or may end), so each head is measured, and the next begins a piece.
-        Each piece is fed as uvicorn's ``data_received`` feeds a read."""
+        Each piece is fed as a read would be."""
         self.cancel_keep_alive()
         size = len(data)
         view = None
@@ -379,7 +379,7 @@ class ServeHttpProtocol(Http11Protocol):
         now = self.loop.time()
         phase = self._phase
         if not self._reading or phase == _DONE:
-            # Between requests uvicorn's keep-alive timeout rules; done: nothing is read.
+            # Between requests the keep-alive timeout rules; done: nothing is read.
             self._paused = False
             self._arm(self._every)
             return
