@@ -50,8 +50,9 @@ from functools import partial
 from typing import Any
 
 import httptools
+from starlette.types import Receive, Scope, Send
 
-from modalgate.errors import ErrorCode, Violation
+from modalgate.errors import ErrorCode, Violation, error_json
 from modalgate.gateway.body_reader import WholeBodyReader
 from modalgate.gateway.http11 import Http11Protocol, closing_answer, malformed, new_parser
 from modalgate.gateway.http_cycle import HIGH_WATER_BYTES
@@ -422,11 +423,16 @@ class ServeHttpProtocol(Http11Protocol):
         self._phase = _DONE
         self._reading = False
         cycle = self.cycle
+        cycle.scope.setdefault("extensions", {})[ANSWERED_BY_SERVER] = violation.status
+        for turn, (queued, _app) in enumerate(self.pipeline):
+            if queued is cycle:  # pipelined, its turn not come: answered in its turn, then closed
+                self.pipeline[turn] = (cycle, partial(_answer, violation))
+                self._refused(event, violation)
+                return
         if cycle.response_started:
             self.transport.close()
             return
         self.transport.write(closing_answer(violation))
-        cycle.scope.setdefault("extensions", {})[ANSWERED_BY_SERVER] = violation.status
         self._refused(event, violation)
         # The app waiting for the body hears http.disconnect now, not when the linger ends.
         cycle.disconnected = True
@@ -515,6 +521,18 @@ def _body_late(timeout_s: float, rate: float) -> Violation:
 def _head_too_large(limit: int) -> Violation:
     message = f"the request line and headers are larger than {limit} bytes"
     return Violation(ErrorCode.HEADERS_TOO_LARGE, message)
+
+
+async def _answer(violation: Violation, scope: Scope, receive: Receive, send: Send) -> None:
+    """A pipelined request the protocol refused, answered through its cycle in its turn."""
+    body = error_json([violation])
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": violation.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _forget(callbacks: list[Callable[[], object]], callback: Callable[[], object]) -> None:

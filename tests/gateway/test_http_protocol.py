@@ -1047,3 +1047,21 @@ def test_an_upgrade_is_answered_as_http_and_the_connection_closed_after_it(serve
     answers = _answers(response)
     assert answers == [(b"HTTP/1.1 200 OK", b"hello")]
     assert b"connection: close" in response.split(b"\r\n\r\n")[0].split(b"\r\n")
+
+
+def test_a_malformed_chunk_of_a_pipelined_request_is_answered_in_its_turn(server):
+    """The request before it is still being answered: that answer goes out whole, then
+    the 400, then the close; the refused request never reaches the app."""
+    DISCONNECTED.clear()
+    head = b"POST /echo HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server)) as sock:
+        sock.settimeout(5)
+        sock.sendall(_request("/slow") + head + b"a\r\nfirst part\r\nzz\r\n")
+        response, waited = _until_closed(sock)
+    answers = _answers(response)
+    assert answers[0] == (b"HTTP/1.1 200 OK", b"slow")
+    assert answers[1][0] == b"HTTP/1.1 400 Bad Request"
+    error = json.loads(answers[1][1])["error"]
+    assert error["message"] == "the request is not valid HTTP/1.1: Invalid character in chunk size"
+    assert len(answers) == 2 and waited > SLOW_S * 0.8
+    assert not DISCONNECTED.is_set()  # /echo never ran
