@@ -271,6 +271,11 @@ class Lab:
         """A request whose headers go on past the server's limit."""
         return self._raw(name, f"POST {where} HTTP/1.1\r\nhost: t\r\nx-pad: {'a' * 4096}".encode())
 
+    def two_lengths(self, name: str, where: str) -> Produced:
+        """A request with two Content-Length headers: not HTTP/1.1 (request smuggling)."""
+        head = f"POST {where} HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n"
+        return self._raw(name, head.encode() + b"content-length: 3\r\n\r\n{}")
+
     def _raw(self, name: str, sent: bytes) -> Produced:
         """What the server answers to ``sent`` before it closes the connection."""
         with socket.create_connection(parse_url(self.url(name)), timeout=10) as sock:
@@ -462,6 +467,11 @@ MESSAGES: list[tuple[str, str, Producer]] = [
         "the request body repeats the key 'model' in one object (line 1, column 28); "
         "servers disagree on which copy counts, so send each key once",
         lambda lab: lab.validate(b'{"model": "gpt-4", "model": "x"}'),
+    ),
+    (
+        "invalid_request",
+        "the request is not valid HTTP/1.1: Duplicate Content-Length",
+        lambda lab: lab.two_lengths("impatient", "/v1/chat/completions"),
     ),
     (
         "invalid_request",
