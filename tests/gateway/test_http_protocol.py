@@ -804,18 +804,24 @@ def test_a_head_behind_a_chunked_body_is_measured_from_the_body_s_end(measured, 
     assert second_answer == _echo(SECOND_BODY)
 
 
-def test_the_answer_to_a_request_before_a_refused_head_is_sent_first(measured):
-    """Pipelined: the app is still answering the first request when the second's head
-    passes the limit. The first's answer goes out, then the 431, then the close."""
-    stream = _request("/slow") + _head_of(LIMIT + 200, 3) + b"abc"
-    with socket.create_connection(("127.0.0.1", measured)) as sock:
+def _after_a_slow_answer(port: int, refused: bytes) -> tuple[bytes, bytes]:
+    """``refused`` pipelined behind a request the app answers slowly: that answer must go
+    out whole first, then the refusal, then the close. The refusal's status line and body."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.settimeout(5)
-        sock.sendall(stream)
+        sock.sendall(_request("/slow") + refused)
         response, waited = _until_closed(sock)
     answers = _answers(response)
     assert answers[0] == (b"HTTP/1.1 200 OK", b"slow")
-    assert answers[1][0] == b"HTTP/1.1 431 Request Header Fields Too Large"
     assert len(answers) == 2 and waited > SLOW_S * 0.8
+    return answers[1]
+
+
+def test_the_answer_to_a_request_before_a_refused_head_is_sent_first(measured):
+    """Pipelined: the app is still answering the first request when the second's head
+    passes the limit. The first's answer goes out, then the 431, then the close."""
+    status, _ = _after_a_slow_answer(measured, _head_of(LIMIT + 200, 3) + b"abc")
+    assert status == b"HTTP/1.1 431 Request Header Fields Too Large"
 
 
 # ---------------------------------------------------------------- deadlines for a head and a body
@@ -1006,15 +1012,8 @@ def test_a_head_llhttp_refuses_is_answered_400_in_the_envelope_and_counted(count
 
 def test_a_malformed_head_pipelined_behind_a_request_waits_for_its_answer(server):
     """The client reads its answers in order: the first request's, then the 400."""
-    stream = _request("/slow") + b"GET / HTTP/1.1\r\nho st: t\r\n\r\n"
-    with socket.create_connection(("127.0.0.1", server)) as sock:
-        sock.settimeout(5)
-        sock.sendall(stream)
-        response, waited = _until_closed(sock)
-    answers = _answers(response)
-    assert answers[0] == (b"HTTP/1.1 200 OK", b"slow")
-    assert answers[1][0] == b"HTTP/1.1 400 Bad Request"
-    assert len(answers) == 2 and waited > SLOW_S * 0.8
+    status, _ = _after_a_slow_answer(server, b"GET / HTTP/1.1\r\nho st: t\r\n\r\n")
+    assert status == b"HTTP/1.1 400 Bad Request"
 
 
 def test_a_malformed_chunk_is_answered_400_at_once_and_the_app_hears_a_disconnect(server):
@@ -1054,14 +1053,8 @@ def test_a_malformed_chunk_of_a_pipelined_request_is_answered_in_its_turn(server
     the 400, then the close; the refused request never reaches the app."""
     DISCONNECTED.clear()
     head = b"POST /echo HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
-    with socket.create_connection(("127.0.0.1", server)) as sock:
-        sock.settimeout(5)
-        sock.sendall(_request("/slow") + head + b"a\r\nfirst part\r\nzz\r\n")
-        response, waited = _until_closed(sock)
-    answers = _answers(response)
-    assert answers[0] == (b"HTTP/1.1 200 OK", b"slow")
-    assert answers[1][0] == b"HTTP/1.1 400 Bad Request"
-    error = json.loads(answers[1][1])["error"]
+    status, body = _after_a_slow_answer(server, head + b"a\r\nfirst part\r\nzz\r\n")
+    assert status == b"HTTP/1.1 400 Bad Request"
+    error = json.loads(body)["error"]
     assert error["message"] == "the request is not valid HTTP/1.1: Invalid character in chunk size"
-    assert len(answers) == 2 and waited > SLOW_S * 0.8
     assert not DISCONNECTED.is_set()  # /echo never ran
