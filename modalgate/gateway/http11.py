@@ -32,7 +32,12 @@ import httptools
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, error_json
-from modalgate.gateway.http_cycle import STATUS_LINES, FlowControl, RequestCycle
+from modalgate.gateway.http_cycle import (
+    HIGH_WATER_BYTES,
+    STATUS_LINES,
+    FlowControl,
+    RequestCycle,
+)
 
 # Past this many bytes held, writes go out at once: a fast upstream's stream
 # must not pile up here while the loop turn goes on.
@@ -293,7 +298,15 @@ class Http11Protocol(asyncio.Protocol):
             self.pipeline.appendleft((self.cycle, app))
 
     def on_body(self, body: bytes) -> None:
-        self.cycle.add_body(body)
+        cycle = self.cycle
+        if cycle.response_complete:
+            return  # answered already (say, refused from its headers): the rest is dropped
+        cycle.add_body(body)
+        if cycle.whole:
+            return  # on_message_complete wakes the app (or connection_lost, on a disconnect)
+        if cycle.body_size > HIGH_WATER_BYTES:
+            self.flow.pause_reading()
+        cycle.message_event.set()
 
     def on_message_complete(self) -> None:
         cycle = self.cycle

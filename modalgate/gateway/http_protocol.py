@@ -55,7 +55,6 @@ from starlette.types import Receive, Scope, Send
 from modalgate.errors import ErrorCode, Violation, error_json
 from modalgate.gateway.body_reader import WholeBodyReader
 from modalgate.gateway.http11 import Http11Protocol, closing_answer, malformed, new_parser
-from modalgate.gateway.http_cycle import HIGH_WATER_BYTES
 
 # The rest of a whole body, from this size on, is read into it in place (``body_reader``);
 # less arrives in a read or two, not worth swapping protocols for.
@@ -263,10 +262,9 @@ class ServeHttpProtocol(Http11Protocol):
         self.on_message_complete()
 
     def on_body_read(self, data: bytes) -> None:
-        cycle = self.cycle
-        if cycle.response_complete:
-            return  # answered already (say, refused from its headers): the rest is dropped
-        cycle.add_body(data)
+        """A read of a whole body, past llhttp: kept as llhttp's ``on_body`` keeps a part
+        (the app wakes once the body is whole)."""
+        super().on_body(data)
 
     def _fresh_parser(self) -> None:
         self.parser = new_parser(self)
@@ -423,7 +421,6 @@ class ServeHttpProtocol(Http11Protocol):
         self._phase = _DONE
         self._reading = False
         cycle = self.cycle
-        cycle.scope.setdefault("extensions", {})[ANSWERED_BY_SERVER] = violation.status
         for turn, (queued, _app) in enumerate(self.pipeline):
             if queued is cycle:  # pipelined, its turn not come: answered in its turn, then closed
                 self.pipeline[turn] = (cycle, partial(_answer, violation))
@@ -433,6 +430,7 @@ class ServeHttpProtocol(Http11Protocol):
             self.transport.close()
             return
         self.transport.write(closing_answer(violation))
+        cycle.scope.setdefault("extensions", {})[ANSWERED_BY_SERVER] = violation.status
         self._refused(event, violation)
         # The app waiting for the body hears http.disconnect now, not when the linger ends.
         cycle.disconnected = True
@@ -488,16 +486,8 @@ class ServeHttpProtocol(Http11Protocol):
             callback()
 
     def on_body(self, body: bytes) -> None:
-        cycle = self.cycle
         self._body_left -= len(body)
-        if cycle.response_complete:
-            return
-        cycle.add_body(body)
-        if cycle.whole:
-            return  # on_message_complete wakes the app (or connection_lost, on a disconnect)
-        if cycle.body_size > HIGH_WATER_BYTES:
-            self.flow.pause_reading()
-        cycle.message_event.set()
+        super().on_body(body)
 
 
 def _timed_out(timeout_s: float) -> Violation:
