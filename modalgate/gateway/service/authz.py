@@ -5,8 +5,14 @@ sends each request's method, path (under ``http_service.path_prefix``), chosen
 headers and whole body (``with_request_body``) to ``modalgate serve
 --authz-prefix PREFIX``; the same gate as ``modalgate serve --upstream`` judges
 it, and the answer is Envoy's to act on: 200 lets the request go on to the model
-server (with ``x-modalgate-*`` headers Envoy may add to it), anything else is
-sent to the client as it is, OpenAI error envelope and status included.
+server (with the decision's ``x-modalgate-*`` headers set on it, for routes to match
+on), anything else is sent to the client as it is, OpenAI error envelope and status
+included.
+
+The decision headers (``decision_headers``) are the same here as in ext_proc, and come
+with every allow, so a client's own copies are always overwritten. Envoy picked the
+request's route before the check answered; the filter's ``clear_route_cache: true``
+(deploy/envoy/envoy.yaml) makes it pick again on the headers the check set.
 
 What cannot happen here, since ext_authz carries headers but never a new body:
 a fallback's ``model`` rewrite, the embeds rewrite, and inlining fetched media.
@@ -29,7 +35,14 @@ from modalgate.validators import Verdict
 AUTHZ_SCOPE_KEY = "modalgate.authz"  # marks a check; its path is the client's own
 MODEL_HEADER = b"x-modalgate-model"  # the model the request was judged as
 RULE_HEADER = b"x-modalgate-rule"  # the policy rule that judged it
-NONE = b"-"  # either header's value when there is none (a GET, no rule of the policy)
+MODALITIES_HEADER = b"x-modalgate-modalities"  # what the request carries: text,image,...
+# What the gate sets on an allowed request, in ext_authz and ext_proc alike: routes may
+# match on them, so a client's own copy must never reach a route or the model server.
+DECISION_HEADERS = (MODEL_HEADER, RULE_HEADER, MODALITIES_HEADER)
+# The gate's header namespace: a client's x-modalgate-* are dropped wherever the gate
+# sees them (ext_proc), and by the config where it does not (ext_authz).
+DECISION_PREFIX = b"x-modalgate-"
+NONE = b"-"  # model's or rule's value when there is none (a GET, no rule of the policy)
 
 
 class AuthzChecks:
@@ -72,13 +85,28 @@ class AllowChecked:
         if scope["type"] != "http" or not scope.get(AUTHZ_SCOPE_KEY):
             await self.app(scope, receive, send)
             return
-        # Both headers every time, ``-`` for none: Envoy overwrites a request header only
-        # when the check's answer carries it, so one left out would reach the model server
-        # with the client's own value (deploy/envoy/envoy.yaml strips those too).
-        model, rule = judged_headers(get_verdict(scope))
-        headers = [(b"content-length", b"0"), (MODEL_HEADER, model), (RULE_HEADER, rule)]
+        # Every decision header every time, ``-`` for none: Envoy overwrites a request
+        # header only when the check's answer carries it, so one left out would reach the
+        # route and the model server with the client's own value (deploy/envoy/envoy.yaml
+        # strips those too, and has the route picked again on these).
+        headers = [(b"content-length", b"0"), *decision_headers(get_verdict(scope))]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def decision_headers(verdict: Verdict | None) -> list[tuple[bytes, bytes]]:
+    """The headers an allowed request carries on (``DECISION_HEADERS``, all of them):
+    what ext_authz's answer sets and ext_proc's header mutation sets, the same values."""
+    model, rule = judged_headers(verdict)
+    return [(MODEL_HEADER, model), (RULE_HEADER, rule), (MODALITIES_HEADER, modalities(verdict))]
+
+
+def modalities(verdict: Verdict | None) -> bytes:
+    """``x-modalgate-modalities``: ``text`` and each media modality the request carries,
+    sorted (``text``, ``text,image``, ``text,image,video``); ``text`` where nothing was
+    judged."""
+    present = sorted({part.modality for part in verdict.parts}) if verdict else []
+    return ",".join(["text", *present]).encode("ascii")
 
 
 def judged_headers(verdict: Verdict | None) -> tuple[bytes, bytes]:

@@ -24,16 +24,12 @@ from modalgate.gateway.gate.middleware import get_verdict
 from modalgate.gateway.gate.paths import with_normalized_path
 from modalgate.gateway.service.authz import (
     AUTHZ_SCOPE_KEY,
-    MODEL_HEADER,
-    RULE_HEADER,
-    judged_headers,
+    decision_headers,
     own_upstream_problem,
 )
 from modalgate.policy import Policy, RuleMatcher
 
-MODALITIES_HEADER = b"x-modalgate-modalities"  # what the request carries: text,image,...
 DECISION_HEADER = b"x-modalgate-decision"  # ExtProcAllow's mark on its own answer
-DECISION_HEADERS = (MODEL_HEADER, RULE_HEADER, MODALITIES_HEADER)
 
 
 class ExtProcAllow:
@@ -59,16 +55,10 @@ class ExtProcAllow:
         # the gate passed on, uncopied, so ``judge``'s caller sees an unchanged body as
         # the same object.
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        verdict = get_verdict(scope)
-        model, rule = judged_headers(verdict)
-        present = sorted({part.modality for part in verdict.parts}) if verdict else []
-        modalities = ",".join(["text", *present]).encode("ascii")
         headers = [
             (b"content-length", str(len(body)).encode("ascii")),
             (DECISION_HEADER, b"allow"),
-            (MODEL_HEADER, model),
-            (RULE_HEADER, rule),
-            (MODALITIES_HEADER, modalities),
+            *decision_headers(get_verdict(scope)),
         ]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})

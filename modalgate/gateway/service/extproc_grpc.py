@@ -10,6 +10,13 @@ status, headers and OpenAI error body. Accepted: CONTINUE, with the decision's h
 set (``x-modalgate-model``, ``-rule``, ``-modalities``) and, where the gate rewrote the
 body, the new body with its length.
 
+Routing: Envoy picked the request's route when its headers arrived, on whatever the
+client sent. Every answer that sets the decision's headers or drops the client's own
+``x-modalgate-*`` (the header answer, judged or not, and the body answer) carries
+``clear_route_cache``, so Envoy picks the route again on the gate's values; this works
+under configs modalgate does not write (Envoy Gateway's ``EnvoyExtensionPolicy``)
+unless they turn it off (``disable_clear_route_cache``, ``route_cache_action: RETAIN``).
+
 The header answer waits for the decision where Envoy allows it (FULL_DUPLEX_STREAMED,
 and STREAMED with ``send_body_without_waiting_for_header_response``), so nothing of
 an unjudged request leaves Envoy; in BUFFERED mode Envoy holds the headers with the
@@ -39,7 +46,8 @@ from envoy.type.v3 import http_status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from modalgate.gateway.app import Gateway
-from modalgate.gateway.service.extproc import DECISION_HEADERS, Decision, client_scope, judge
+from modalgate.gateway.service.authz import DECISION_HEADERS, DECISION_PREFIX
+from modalgate.gateway.service.extproc import Decision, client_scope, judge
 
 logger = logging.getLogger("modalgate.extproc")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -84,6 +92,9 @@ class _Exchange:
     body_mode: int = Mode.BUFFERED
     headers_owed: bool = False  # the header answer waits for the decision
     finished: bool = False
+    # The client's own x-modalgate-* header names: the gate's namespace, dropped from
+    # the request whatever the gate decides, so no route or model server sees them.
+    spoofed: list[str] = field(default_factory=list)
     _defer: bool = False  # Envoy sends the body before the header answer
 
     async def step(self, request: ext_proc.ProcessingRequest) -> list[ext_proc.ProcessingResponse]:
@@ -119,15 +130,19 @@ class _Exchange:
             elif key == ":authority":
                 headers.append((b"host", value))
             elif not key.startswith(":"):
-                headers.append((key.encode("latin-1"), value))
+                name = key.encode("latin-1")
+                if name.startswith(DECISION_PREFIX) and key not in self.spoofed:
+                    self.spoofed.append(key)
+                headers.append((name, value))
         self.scope = client_scope(method, path, headers)
         judged = method.upper() == "POST" and self.gateway.gate.api_of(self.scope["path"])
         if message.end_of_stream or not judged:
             decision = await judge(self.gateway.app, self.scope, b"")
             if not decision.allowed:
                 return [self._refusal(decision)]
+            allowing = _allowing(decision, None, self.spoofed)
             response = ext_proc.ProcessingResponse(
-                request_headers=ext_proc.HeadersResponse(response=_allowing(decision, None))
+                request_headers=ext_proc.HeadersResponse(response=allowing)
             )
             if not message.end_of_stream:  # not judged: its body is Envoy's
                 response.mode_override.request_body_mode = Mode.NONE
@@ -136,7 +151,14 @@ class _Exchange:
         if self._defer:
             self.headers_owed = True
             return []
-        return [ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())]
+        # Judged once the body is here; meanwhile the client's own decision headers go
+        # (in plain STREAMED mode these headers leave for the upstream on this answer).
+        stripping = _stripping(self.spoofed)
+        return [
+            ext_proc.ProcessingResponse(
+                request_headers=ext_proc.HeadersResponse(response=stripping)
+            )
+        ]
 
     async def _body(self, message: ext_proc.HttpBody) -> list[ext_proc.ProcessingResponse]:
         assert self.scope is not None
@@ -161,7 +183,7 @@ class _Exchange:
         self, decision: Decision, original: bytes, rewritten: bytes | None
     ) -> list[ext_proc.ProcessingResponse]:
         responses = []
-        common = _allowing(decision, rewritten)
+        common = _allowing(decision, rewritten, self.spoofed)
         if self.headers_owed:
             responses.append(
                 ext_proc.ProcessingResponse(
@@ -205,9 +227,12 @@ class _Exchange:
         return ext_proc.ProcessingResponse(immediate_response=immediate)
 
 
-def _allowing(decision: Decision, rewritten: bytes | None) -> ext_proc.CommonResponse:
-    """CONTINUE, the decision's headers set over any the client sent."""
-    common = ext_proc.CommonResponse()
+def _allowing(
+    decision: Decision, rewritten: bytes | None, spoofed: list[str]
+) -> ext_proc.CommonResponse:
+    """CONTINUE, the client's own ``x-modalgate-*`` dropped and the decision's headers
+    set, the route picked again on them."""
+    common = _stripping(spoofed)
     for key in DECISION_HEADERS:
         value = decision.header(key)
         if value is not None:
@@ -215,6 +240,20 @@ def _allowing(decision: Decision, rewritten: bytes | None) -> ext_proc.CommonRes
     if rewritten is not None:
         length = str(len(rewritten)).encode("ascii")
         common.header_mutation.set_headers.append(_set(b"content-length", length))
+    # Envoy chose the route on the client's headers; with this it chooses again on the
+    # ones just set (it honours the flag only beside a header mutation).
+    common.clear_route_cache = True
+    return common
+
+
+def _stripping(spoofed: list[str]) -> ext_proc.CommonResponse:
+    """CONTINUE with the client's own ``x-modalgate-*`` headers removed (Envoy applies
+    removals before sets, so a name set in the same answer keeps the gate's value), and
+    the route chosen again without them; nothing to remove, nothing changed."""
+    common = ext_proc.CommonResponse()
+    if spoofed:
+        common.header_mutation.remove_headers.extend(spoofed)
+        common.clear_route_cache = True
     return common
 
 

@@ -15,7 +15,7 @@ import httpx
 import openai
 import orjson
 import pytest
-from envoy_proc import config_on_ports, running_envoy
+from envoy_proc import config_on_ports, http_filter, running_envoy
 from pydantic import ValidationError
 
 from conftest import (
@@ -59,11 +59,7 @@ def envoy_config(listen: int, upstream: int, modalgate: int) -> dict[str, Any]:
 
 def ext_authz(config: dict[str, Any]) -> dict[str, Any]:
     """The config's ext_authz filter (its typed_config)."""
-    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    (authz,) = [
-        f for f in manager["typed_config"]["http_filters"] if f["name"].endswith(".ext_authz")
-    ]
-    return authz["typed_config"]
+    return http_filter(config, ".ext_authz")
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +118,7 @@ def test_a_clean_request_passes_unchanged_with_what_the_gate_decided(client, toy
     assert received.json() == request
     assert received.headers["x-modalgate-model"] == "kimi-k3"
     assert received.headers["x-modalgate-rule"] == "kimi-k3"
+    assert received.headers["x-modalgate-modalities"] == "text,image"  # as ext_proc sets it
 
 
 def test_a_model_name_cannot_add_headers_to_the_forwarded_request(envoy, toy):
@@ -135,9 +132,15 @@ def test_a_model_name_cannot_add_headers_to_the_forwarded_request(envoy, toy):
 
 
 def test_a_clients_own_modalgate_headers_never_reach_the_upstream(envoy, toy):
-    # Envoy sets a header only when the check's answer carries it: modalgate sends both
-    # every time, and the config drops the client's before the check.
-    evil = {"x-modalgate-rule": "evil", "x-modalgate-model": "evil"}
+    # Envoy sets a header only when the check's answer carries it: modalgate sends all
+    # three every time, and the config drops the client's (any x-modalgate-*) before the
+    # check. tests/gateway/service/test_envoy_routing.py routes on them.
+    evil = {
+        "x-modalgate-rule": "evil",
+        "x-modalgate-model": "evil",
+        "x-modalgate-modalities": "evil",
+        "x-modalgate-other": "evil",
+    }
     listed = httpx.get(envoy + "/v1/models", headers=evil)
     assert listed.status_code == 200
     accepted = httpx.post(envoy + "/v1/chat/completions", json=chat(), headers=evil)
@@ -155,9 +158,10 @@ def test_a_clients_own_modalgate_headers_never_reach_the_upstream(envoy, toy):
         "other",
         "-",
     )
+    assert [r.headers["x-modalgate-modalities"] for r in toy.received] == ["text"] * 3
     for received in toy.received:
         sent = [v for k, v in received.raw_headers if k.startswith("x-modalgate-")]
-        assert "evil" not in sent and len(sent) == 2
+        assert "evil" not in sent and len(sent) == 3
 
 
 def test_the_config_drops_a_clients_modalgate_headers_before_the_check(upstream, decider, toy):
@@ -165,7 +169,7 @@ def test_the_config_drops_a_clients_modalgate_headers_before_the_check(upstream,
     _, upstream_port = upstream
     config = envoy_config(free_port(), upstream_port, decider.port)
     del ext_authz(config)["http_service"]["authorization_response"]
-    evil = {"x-modalgate-rule": "evil", "x-modalgate-model": "evil"}
+    evil = {"x-modalgate-rule": "evil", "x-modalgate-modalities": "evil", "x-modalgate-x": "evil"}
     with running_envoy(config, "/health") as url:
         assert httpx.get(url + "/v1/models", headers=evil).status_code == 200
         posted = httpx.post(url + "/v1/chat/completions", json=chat(), headers=evil)

@@ -21,7 +21,7 @@ import openai
 import pytest
 import yaml
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
-from envoy_proc import config_on_ports, running_envoy
+from envoy_proc import config_on_ports, http_filter, running_envoy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import (
@@ -67,11 +67,7 @@ def extproc_config(listen: int, upstream: int, processor: int, **changes: Any) -
 
 
 def filter_config(config: dict) -> dict:
-    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    (ext_proc,) = [
-        f for f in manager["typed_config"]["http_filters"] if f["name"].endswith(".ext_proc")
-    ]
-    return ext_proc["typed_config"]
+    return http_filter(config, ".ext_proc")
 
 
 class Processor(GatewayProcess):
@@ -214,12 +210,24 @@ def test_rules_extproc_cannot_carry_out_are_refused_at_start(tmp_path):
 
 
 def test_a_clients_own_decision_headers_never_reach_the_model_server(envoy, toy):
-    evil = {"x-modalgate-rule": "evil", "x-modalgate-model": "evil", "x-modalgate-modalities": "x"}
+    # Set over by the decision, or (a name the gate does not set) dropped by the processor;
+    # tests/gateway/service/test_envoy_routing.py routes on them.
+    evil = {
+        "x-modalgate-rule": "evil",
+        "x-modalgate-model": "evil",
+        "x-modalgate-modalities": "x",
+        "x-modalgate-other": "evil",
+    }
     answer = httpx.post(envoy + "/v1/chat/completions", json=chat(), headers=evil)
     assert answer.status_code == 200
-    (received,) = toy.received
-    assert received.headers["x-modalgate-rule"] == "kimi-k3-encoder"
-    assert received.headers["x-modalgate-modalities"] == "text"
+    assert httpx.get(envoy + "/v1/models", headers=evil).status_code == 200
+    judged, listed = toy.received
+    assert judged.headers["x-modalgate-rule"] == "kimi-k3-encoder"
+    assert judged.headers["x-modalgate-modalities"] == "text"
+    assert (listed.headers["x-modalgate-rule"], listed.headers["x-modalgate-model"]) == ("-", "-")
+    for received in toy.received:
+        sent = [(k, v) for k, v in received.raw_headers if k.startswith("x-modalgate-")]
+        assert len(sent) == 3 and "evil" not in dict(sent).values()
 
 
 def test_paths_the_gate_does_not_judge_continue_at_once(envoy, toy):
