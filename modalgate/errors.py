@@ -142,6 +142,38 @@ def error_json(violations: Sequence[Violation]) -> bytes:
     return orjson.dumps(error_body(violations))
 
 
+# Anthropic's ``error.type`` for each status (its SDK raises by status, and reads the type).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_json(violations: Sequence[Violation]) -> bytes:
+    """The Anthropic Messages API's envelope, for refusals on its doors; ``code``,
+    ``param`` and ``violations`` ride along inside ``error`` as in the OpenAI one."""
+    first = violations[0]
+    status = first.status
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return orjson.dumps(
+        {
+            "type": "error",
+            "error": {
+                "type": kind,
+                "message": first.message,
+                "code": first.code.value,
+                "param": first.param,
+                "violations": [v.as_dict() for v in violations[:MAX_LISTED_VIOLATIONS]],
+            },
+        }
+    )
+
+
 def status_of(violations: Iterable[Violation]) -> int:
     """The status of the first violation: it is the one the envelope reports."""
     for violation in violations:

@@ -525,7 +525,8 @@ MESSAGES: list[tuple[str, str, Producer]] = [
     ),
     (
         "not_found",
-        "'/flush_cache' is not forwarded here (not in the policy's endpoints)",
+        "'/flush_cache' is not forwarded here (not in the policy's endpoints, or an engine's"
+        " admin path)",
         lambda lab: lab.send("plain", "POST", "/flush_cache", {}),
     ),
     (

@@ -28,6 +28,16 @@ OTHER_DOORS = (
     "/tokenize",
     "/generate",
     "/flush_cache",
+    "/v1/messages/count_tokens",
+    "/v1/chat/completions/batch",
+    "/v1/rerank",
+    "/score",
+    "/v2/embed",
+    "/pooling",
+    "/classify",
+    "/invocations",
+    "/inference/v1/generate",
+    "/v1/audio/transcriptions",
 )
 
 
@@ -76,6 +86,7 @@ class ToyUpstream:
                 Route("/health", self._health, methods=["GET"]),
                 Route("/echo/{rest:path}", self._echo, methods=["GET", "POST", "PUT", "DELETE"]),
                 # The engines' other doors: recorded and answered, whatever the body.
+                Route("/v1/messages", self._anthropic, methods=["POST"]),
                 *(Route(door, self._other_door, methods=["POST", "PUT"]) for door in OTHER_DOORS),
                 # For tests driving this server as its own process: what it received.
                 Route("/_received", self._received, methods=["GET", "DELETE"]),
@@ -130,6 +141,22 @@ class ToyUpstream:
     async def _other_door(self, request: Request) -> Response:
         received = await self._record(request)
         return JSONResponse({"object": "toy.other", "path": received.path})
+
+    async def _anthropic(self, request: Request) -> Response:
+        """An Anthropic Messages API answer, as vLLM's and SGLang's /v1/messages give one."""
+        received = await self._record(request)
+        return JSONResponse(
+            {
+                "id": "msg_toy",
+                "type": "message",
+                "role": "assistant",
+                "model": received.json().get("model", ""),
+                "content": [{"type": "text", "text": f"{self.name} saw {len(received.body)}"}],
+                "stop_reason": "end_turn",
+                "stop_sequence": None,
+                "usage": {"input_tokens": 1, "output_tokens": 1},
+            }
+        )
 
     async def _responses(self, request: Request) -> Response:
         received = await self._record(request)

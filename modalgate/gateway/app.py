@@ -133,6 +133,8 @@ class Gateway:
             responses_paths=[VALIDATE_RESPONSES_PATH, *DEFAULT_RESPONSES_PATHS],
             served_model=self.served_model,
             dialect=EngineDialects(self.upstreams, settings),
+            engine=settings.engine,
+            api_keys=(),  # ApiKeyAuth, outside, locks every path
             # Shadow mode forwards: where the verdict is the answer, it is the verdict.
             enforce=(None if settings.enforce else False) if self.proxying or extproc else True,
             enforced_paths=[VALIDATE_PATH, VALIDATE_RESPONSES_PATH, ENCODE_PATH],

@@ -18,6 +18,11 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from modalgate.policy.surface import (  # EndpointKind: imported from here too
+    EndpointKind,  # noqa: F401
+    EndpointSpec,
+    default_endpoints,
+)
 from modalgate.settings import EngineSpec, ServerSection, upstream_root
 
 # Media modalities a rule can accept; text always passes.
@@ -272,29 +277,9 @@ class ModelRule(_Strict):
         return self
 
 
-# How the gate reads a path's body; ``forward``: passed on without body checks.
-EndpointKind = Literal["chat", "responses", "completions", "messages", "generate", "forward"]
-# The API surface a proxying gateway forwards (docs/policy.md): OpenAI's paths, the
-# engines' tokenize/embeddings/health paths, SGLang's /generate. Admin and control
-# paths (weights, caches, profiling, LoRA loading, sleep) are not on it.
-DEFAULT_ENDPOINTS: dict[str, EndpointKind] = {
-    "/v1/chat/completions": "chat",
-    "/chat/completions": "chat",
-    "/v1/responses": "responses",
-    "/responses": "responses",
-    "/v1/responses/*": "forward",
-    "/v1/completions": "completions",
-    "/v1/embeddings": "messages",
-    "/tokenize": "messages",
-    "/v1/tokenize": "messages",
-    "/detokenize": "forward",
-    "/v1/detokenize": "forward",
-    "/generate": "generate",
-    "/health": "forward",
-    "/ping": "forward",
-    "/version": "forward",
-    "/get_model_info": "forward",
-}
+# The API surface a proxying gateway forwards, and how each body is read: every engine's
+# doors (policy/doors.yaml) bar their admin and control paths (docs/policy.md).
+DEFAULT_ENDPOINTS: dict[str, EndpointSpec] = default_endpoints()
 
 
 class Policy(_Strict):
@@ -312,12 +297,12 @@ class Policy(_Strict):
     media_urls: MediaUrls = MediaUrls()
     server: Server = Server()
     # Paths the gateway forwards and how each body is judged; ``/prefix/*`` covers a subtree.
-    endpoints: dict[str, EndpointKind] = Field(default_factory=lambda: dict(DEFAULT_ENDPOINTS))
+    endpoints: dict[str, EndpointSpec] = Field(default_factory=lambda: dict(DEFAULT_ENDPOINTS))
     models: tuple[ModelRule, ...] = ()
 
     @field_validator("endpoints")
     @classmethod
-    def _endpoint_paths(cls, endpoints: dict[str, EndpointKind]) -> dict[str, EndpointKind]:
+    def _endpoint_paths(cls, endpoints: dict[str, EndpointSpec]) -> dict[str, EndpointSpec]:
         for key in endpoints:
             bare = key[:-2] if key.endswith("/*") else key
             if not key.startswith("/") or "*" in bare or "//" in key or "/." in key:

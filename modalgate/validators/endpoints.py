@@ -24,7 +24,7 @@ from modalgate.validators.parts import with_url
 from modalgate.validators.verdict import PartDraft, VerdictBuilder
 
 _GENERATE_MEDIA = (("image_data", "image"), ("video_data", "video"), ("audio_data", "audio"))
-_POOLING_ITEM_KEYS = frozenset({"text", "image"})
+_POOLING_ITEM_KEYS = frozenset({"text", "image", "video"})
 _URL_PREFIXES = ("http://", "https://", "data:", "file:")
 
 
@@ -48,8 +48,8 @@ def walk_pooling_input(
     request: dict[str, Any], rule: ResolvedRule, verdict: VerdictBuilder
 ) -> None:
     """``input`` of embeddings and tokenize bodies: text or tokens, or SGLang's
-    ``{"text": ..., "image": ...}`` items (an image each). Objects of any other shape
-    are refused: the gate cannot tell what a server would make of them."""
+    ``{"text", "image", "video"}`` items (an image or a video each). Objects of any other
+    shape are refused: the gate cannot tell what a server would make of them."""
     items = request.get("input")
     if not isinstance(items, list):
         return
@@ -61,26 +61,30 @@ def walk_pooling_input(
         where = path("input", index)
         if not _POOLING_ITEM_KEYS.issuperset(item):
             verdict.violations.append(
-                invalid("input objects may carry only 'text' and 'image'", where)
+                invalid("input objects may carry only 'text', 'image' and 'video'", where)
             )
             continue
-        image = item.get("image")
-        if image is None:
-            continue
-        if not isinstance(image, str):
-            problem = invalid("must be a URL or base64 string", path(where, "image"))
-            verdict.violations.append(problem)
-            continue
-        _media_string(image, path(where, "image"), "image", "input", rule, verdict)
+        for modality in ("image", "video"):
+            medium = item.get(modality)
+            if medium is None:
+                continue
+            if not isinstance(medium, str):
+                problem = invalid("must be a URL or base64 string", path(where, modality))
+                verdict.violations.append(problem)
+                continue
+            _media_string(medium, path(where, modality), modality, "input", rule, verdict)
 
 
-def walk_generate(request: dict[str, Any], rule: ResolvedRule, verdict: VerdictBuilder) -> None:
-    """SGLang's native ``/generate``: one item, a list, or a list per prompt, per field."""
+def walk_generate(
+    request: dict[str, Any], rule: ResolvedRule, verdict: VerdictBuilder, root: str = ""
+) -> None:
+    """SGLang's native ``/generate``: one item, a list, or a list per prompt, per field.
+    ``root``: where the fields sit (a Vertex instance: ``instances.[0]``)."""
     for field, modality in _GENERATE_MEDIA:
         value = request.get(field)
         if value is None:
             continue
-        for where, item in _flattened(value, field):
+        for where, item in _flattened(value, path(root, field) if root else field):
             if len(verdict.violations) >= MAX_LISTED_VIOLATIONS:
                 return
             if isinstance(item, str):
@@ -94,20 +98,21 @@ def walk_generate(request: dict[str, Any], rule: ResolvedRule, verdict: VerdictB
                     )
                 )
     if request.get("input_embeds") is not None:
-        _embeddings("input_embeds", "input_embeds", rule, verdict)
+        where = path(root, "input_embeds") if root else "input_embeds"
+        _embeddings(where, "input_embeds", rule, verdict)
 
 
-def _flattened(value: Any, field: str) -> Iterator[tuple[str, Any]]:
+def _flattened(value: Any, where: str) -> Iterator[tuple[str, Any]]:
     """Each item with its param, made as the walk reaches it (it may stop early)."""
     if not isinstance(value, list):
-        yield field, value
+        yield where, value
         return
     for i, item in enumerate(value):
         if isinstance(item, list):
             for j, inner in enumerate(item):
-                yield path(field, i, j), inner
+                yield path(where, i, j), inner
         else:
-            yield path(field, i), item
+            yield path(where, i), item
 
 
 def _media_string(

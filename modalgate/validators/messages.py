@@ -21,8 +21,13 @@ from modalgate.validators.vllm_union import message_path
 
 
 def walk_messages(
-    messages: list[Any], rule: ResolvedRule, verdict: VerdictBuilder, dialect: Dialect
+    messages: list[Any],
+    rule: ResolvedRule,
+    verdict: VerdictBuilder,
+    dialect: Dialect,
+    root: str = "messages",
 ) -> None:
+    """``root``: where the list sits (a batch's conversation: ``messages.[2]``)."""
     violations = verdict.violations
     for i, message in enumerate(messages):
         if len(violations) >= MAX_LISTED_VIOLATIONS:
@@ -37,7 +42,7 @@ def walk_messages(
             and dialect.roles is None
         ):
             continue
-        walk_message(message, path("messages", i), rule, verdict, dialect)
+        walk_message(message, path(root, i), rule, verdict, dialect)
 
 
 def walk_message(

@@ -25,10 +25,20 @@ from modalgate.errors import (
 )
 from modalgate.policy.matching import ResolvedRule, RuleMatcher
 from modalgate.validators.admission import COUNT_MARGIN, CountExceeded, invalid
+from modalgate.validators.anthropic import walk_anthropic
 from modalgate.validators.dialects import (
     OPENAI,
     Dialect,
     dialect_for,
+)
+from modalgate.validators.doors import (
+    walk_chat_batch,
+    walk_embed_v2,
+    walk_invocations,
+    walk_pooling,
+    walk_score,
+    walk_token_in,
+    walk_vertex,
 )
 from modalgate.validators.endpoints import walk_completions, walk_generate, walk_pooling_input
 from modalgate.validators.json_body import ASIDE_MIN_PAYLOAD, parse_json_body, payloads_aside
@@ -63,14 +73,46 @@ _NAMES = {
 }
 
 
-# How a body is read: which paths carry which kind is policy (``endpoints``).
-Api = Literal["chat", "responses", "completions", "messages", "generate"]
-# OpenAI's APIs require a model; SGLang's /generate has no such field, tokenize makes it optional.
-_MODEL_REQUIRED = frozenset({"chat", "responses", "completions"})
+# How a body is read: which paths carry which kind is policy (``endpoints``, and each
+# engine's doors: policy/doors.yaml).
+Api = Literal[
+    "chat",
+    "responses",
+    "completions",
+    "messages",
+    "generate",
+    "anthropic",
+    "chat_batch",
+    "score",
+    "embed_v2",
+    "pooling",
+    "token_in",
+    "invocations",
+    "vertex",
+]
+# OpenAI's and Anthropic's APIs require a model; SGLang's /generate has no such field,
+# tokenize and the pooling doors make it optional.
+_MODEL_REQUIRED = frozenset({"chat", "responses", "completions", "anthropic"})
+# Bodies whose ``messages`` are not a chat conversation (read by their own walk).
+_OWN_MESSAGES = frozenset({"anthropic", "chat_batch"})
+
+
+def _ignoring_dialect(walk: Callable[[dict[str, Any], ResolvedRule, VerdictBuilder], None]):
+    return lambda request, rule, verdict, _dialect: walk(request, rule, verdict)
+
+
 _OTHER_WALKS = {
-    "completions": walk_completions,
-    "messages": walk_pooling_input,
-    "generate": walk_generate,
+    "completions": _ignoring_dialect(walk_completions),
+    "messages": _ignoring_dialect(walk_pooling_input),
+    "generate": _ignoring_dialect(walk_generate),
+    "anthropic": _ignoring_dialect(walk_anthropic),
+    "chat_batch": walk_chat_batch,
+    "score": walk_score,
+    "embed_v2": walk_embed_v2,
+    "pooling": walk_pooling,
+    "token_in": walk_token_in,
+    "invocations": walk_invocations,
+    "vertex": walk_vertex,
 }
 # (the name a request is judged as, the rule it resolved to) -> the model that really
 # serves it, or None to judge it as named.
@@ -215,7 +257,7 @@ def validate_request(
     try:
         if api == "responses":
             _walk_input(request.get("input"), rule, verdict)
-        elif api == "chat" or request.get("messages") is not None:
+        elif api == "chat" or (api not in _OWN_MESSAGES and request.get("messages") is not None):
             messages = request.get("messages")
             if not isinstance(messages, list) or not (messages or reader.empty_messages):
                 problem = "is required" if messages is None else "must be a non-empty array"
@@ -224,7 +266,7 @@ def validate_request(
             check_mm_kwargs(request, reader, verdict)
             walk_messages(messages, rule, verdict, reader)
         if api in _OTHER_WALKS:
-            _OTHER_WALKS[api](request, rule, verdict)
+            _OTHER_WALKS[api](request, rule, verdict, reader)
     except CountExceeded:
         pass  # the walk stopped past a count limit: refused for it below
     if verdict.violations or not verdict.parts:

@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from modalgate.errors import ErrorCode, Violation
 from modalgate.gateway.gate.send import send_error
 
-_CHALLENGE = [(b"www-authenticate", b'Bearer realm="modalgate"')]
+CHALLENGE = [(b"www-authenticate", b'Bearer realm="modalgate"')]
 MISSING = Violation(
     ErrorCode.INVALID_API_KEY,
     "no API key: send one in the Authorization header as 'Bearer KEY'",
@@ -55,7 +55,7 @@ class ApiKeyAuth:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})  # policy violation
             return
-        await send_error(send, [MISSING if token is None else WRONG], _CHALLENGE)
+        await send_error(send, [MISSING if token is None else WRONG], CHALLENGE)
 
     def accepts(self, token: bytes) -> bool:
         matched = False

@@ -24,7 +24,9 @@ import anyio.to_thread
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, payload_too_large
+from modalgate.gateway.gate.auth import CHALLENGE, MISSING, WRONG
 from modalgate.gateway.gate.cpu_threads import CpuThreads
+from modalgate.gateway.gate.mounted import FROM_ENV, KeyLock, engine_spec, environment, own_keys
 from modalgate.gateway.gate.outcome import GateOutcome, OutcomeObserver
 from modalgate.gateway.gate.paths import is_normal, with_normalized_path
 from modalgate.gateway.gate.pipeline import Decider
@@ -34,8 +36,9 @@ from modalgate.gateway.gate.shadow import SHADOW_HEADER, shadow_header
 from modalgate.media.inline_work import InlineWorkExceeded, run_within
 from modalgate.policy import Policy, RuleMatcher, load_policy
 from modalgate.policy.endpoints import EndpointTable
+from modalgate.policy.surface import UNJUDGED, doors_for
 from modalgate.validators import Verdict, validate_body
-from modalgate.validators.dialects import Dialect
+from modalgate.validators.dialects import Dialect, dialect_for
 from modalgate.validators.request import Api, DialectOf, ServedModel
 from modalgate.validators.verdict import request_unparsed
 
@@ -72,18 +75,25 @@ class ModalGate:
     def __init__(
         self,
         app: ASGIApp,
-        policy: Policy | str | PathLike[str] | None = None,
-        mode: str | None = None,
+        policy: Policy | str | PathLike[str] | None = FROM_ENV,
+        mode: str | None = FROM_ENV,
         paths: Iterable[str] = DEFAULT_PATHS,
         validation_threads: int = 4,
         on_outcome: OutcomeObserver | None = None,
         responses_paths: Iterable[str] = DEFAULT_RESPONSES_PATHS,
-        served_model: str | ServedModel | None = None,
-        enforce: bool | None = None,
+        served_model: str | ServedModel | None = FROM_ENV,
+        enforce: bool | None = FROM_ENV,
         enforced_paths: Iterable[str] = (),
-        dialect: Dialect | DialectOf | None = None,
+        dialect: Dialect | DialectOf | None = FROM_ENV,
+        engine: str | None = FROM_ENV,
+        api_keys: Iterable[str] = FROM_ENV,
     ) -> None:
-        """``served_model``: the model the app behind serves, whatever name a request
+        """Each argument left out is taken from the ``MODALGATE_*`` variables ``modalgate
+        serve`` reads (``mounted.py``), so ``ModalGate(app)`` alone, as vLLM's
+        ``--middleware`` mounts it, is configured like the gateway. ``policy=None``: the
+        built-in table.
+
+        ``served_model``: the model the app behind serves, whatever name a request
         carries (a server of one model ignores the name); or a callable that tells it
         per request. Requests are then judged as that model.
 
@@ -92,8 +102,31 @@ class ModalGate:
 
         ``dialect``: how the app behind reads content parts (``validators/dialects.py``),
         or a callable that tells it per resolved rule; None: an OpenAI-compatible server,
-        unless a rule names its ``engine``."""
+        unless a rule names its ``engine``.
+
+        ``engine``: the engine behind (``vllm``, ``sglang``, ``openai``): its own doors
+        (policy/doors.yaml, with the policy's listed ``endpoints`` over them) are the
+        surface, and a body sent anywhere else is refused. None: the policy's
+        ``endpoints`` are judged and any other path passes untouched.
+
+        ``api_keys``: bearer keys a request must carry before its body is read (401
+        ``invalid_api_key``); mounted in vLLM, vLLM's own keys are honoured too."""
+        given = (policy, mode, served_model, enforce, dialect, engine, api_keys)
+        if any(value is FROM_ENV for value in given):
+            loaded = None if policy is FROM_ENV else _as_policy(policy)
+            env_policy, settings = environment(loaded)
+            policy = env_policy if policy is FROM_ENV else loaded
+            mode = settings.mode if mode is FROM_ENV else mode
+            served_model = settings.served_model if served_model is FROM_ENV else served_model
+            enforce = (None if settings.enforce else False) if enforce is FROM_ENV else enforce
+            engine = settings.engine if engine is FROM_ENV else engine
+            if dialect is FROM_ENV:
+                spec = engine_spec(settings.model_copy(update={"engine": engine}))
+                dialect = dialect_for(spec) if spec is not None else None
+            api_keys = own_keys(settings) if api_keys is FROM_ENV else api_keys
+        self.lock = KeyLock(api_keys)
         self.app = app
+        self.engine = engine
         self.on_outcome = on_outcome
         self.served: ServedModel | None = (
             (lambda _name, _rule: served_model) if isinstance(served_model, str) else served_model
@@ -115,12 +148,12 @@ class ModalGate:
         # The given paths already in normal form, each with its API, whether it is
         # enforced, and its raw_path: a request spelled so (nearly all) is routed by one
         # lookup and one comparison.
-        self._routes: dict[str, tuple[Api, bool, bytes]] = {
-            where: (api, where.rstrip("/") in self.enforced_paths, where.encode("ascii"))
+        self._routes: dict[str, Route] = {
+            where: (api, where.rstrip("/") in self.enforced_paths, where.encode("ascii"), _POST)
             for where, api in self._given.items()
             if is_normal(where)
         }
-        self.set_policy(policy if isinstance(policy, Policy) else load_policy(policy), mode)
+        self.set_policy(_as_policy(policy), mode)
 
     def set_policy(self, policy: Policy, mode: str | None = None) -> None:
         """Swap the policy atomically: a request in flight keeps the matcher it started with."""
@@ -131,7 +164,9 @@ class ModalGate:
         self.thread_threshold = (
             VERIFY_THREAD_THRESHOLD_BYTES if verifies else THREAD_THRESHOLD_BYTES
         )
-        self.endpoints = EndpointTable(policy.endpoints)
+        listed = policy.endpoints if "endpoints" in policy.model_fields_set else {}
+        surface = doors_for(self.engine, listed) if self.engine else policy.endpoints
+        self.endpoints = EndpointTable(surface)
         self.media = MediaStage(policy.media_urls)
         # One object per policy: a request in flight keeps the one it started with.
         self.decider = Decider(
@@ -170,6 +205,9 @@ class ModalGate:
         if scope["type"] != "http":
             if scope["type"] == "lifespan":
                 send = self._closing_on_shutdown(send)
+            elif scope["type"] == "websocket" and self._closed(scope):
+                await send({"type": "websocket.close", "code": 1008})  # policy violation
+                return
             await self.app(scope, receive, send)
             return
         route = self._routes.get(scope["path"])
@@ -179,36 +217,47 @@ class ModalGate:
             if route is None:
                 await self.app(scope, receive, send)
                 return
-        if scope["method"] != "POST":
+            if isinstance(route, Violation):
+                self.report_early_refusal(scope["path"], route)
+                await send_error(send, [route])
+                return
+        if scope["method"] not in route[3]:
             if _has_body(scope):
                 # A body on another method would reach a server that reads it (SGLang takes
                 # PUT /generate) without being judged.
                 self.report_early_refusal(scope["path"], _METHOD_NOT_ALLOWED)
-                await send_error(send, [_METHOD_NOT_ALLOWED], [(b"allow", b"POST")])
+                allow = b", ".join(sorted(m.encode() for m in route[3]))
+                await send_error(send, [_METHOD_NOT_ALLOWED], [(b"allow", allow)], route[0])
             else:
                 await self.app(scope, receive, send)  # GET, HEAD, OPTIONS (CORS preflight)
             return
         # A gated POST, all in this one coroutine (each await level costs ~1,000
         # instructions): an accepted body with nothing to fetch or rewrite (nearly all) is
         # validated inline where small and forwarded with no other await of the gate's.
-        api, strict, _ = route
+        api, strict, _, _ = route
         decider = self.strict_decider if strict else self.decider
         started = time.perf_counter() if self.on_outcome is not None else None
+        locked = self.lock.refuses(scope)
+        if locked is not None:
+            refusal = WRONG if locked else MISSING
+            self.report_early_refusal(scope["path"], refusal, started=started)
+            await send_error(send, [refusal], CHALLENGE, api)
+            return
         read_cap = self.read_cap
         refusal = _header_refusal(scope["headers"], read_cap, self._short_lengths)
         if refusal is not None:
             self.report_early_refusal(scope["path"], refusal, started=started)
-            await send_error(send, [refusal])
+            await send_error(send, [refusal], api=api)
             return
         message = await receive()
         body = message.get("body", b"")
         if message.get("more_body", False) or message["type"] != "http.request":
-            body = await self._rest_of_body(message, receive, send, read_cap, scope, started)
+            body = await self._rest_of_body(message, receive, send, read_cap, scope, started, api)
             if body is None:
                 return
             message = {"type": "http.request", "body": body, "more_body": False}
         elif len(body) > read_cap:
-            await self._too_large(send, read_cap, len(body), scope, started)
+            await self._too_large(send, read_cap, len(body), scope, started, api)
             return
         verdict = None
         if len(body) < decider.inline_below:
@@ -235,16 +284,34 @@ class ModalGate:
                 return
         await self._decide(scope, receive, send, api, decider, body, verdict, started)
 
-    def _routed(self, scope: Scope) -> tuple[Scope, tuple[Api, bool, object] | None]:
-        """The scope with its path normalised, and how that path is gated (its API, and
-        whether it is enforced); None: not gated here."""
+    def _routed(self, scope: Scope) -> tuple[Scope, Route | Violation | None]:
+        """The scope with its path normalised, and how that path is gated (its API, whether
+        it is enforced, the methods its body is taken on); None: not gated here; a
+        Violation: refused whatever its body."""
         scope = with_normalized_path(scope)
         path = scope["path"]
-        api = self._given.get(path) or self.api_of(path)
+        api = self._given.get(path)
         if api is None:
-            return scope, None
+            where = path.rstrip("/") or "/"
+            api = self._given.get(where)
+        if api is None:
+            kind = self.endpoints.kind_of(path)
+            if kind == "refuse":
+                return scope, _closed_door(path)
+            if kind is None and self.engine is not None and _has_body(scope):
+                return scope, _not_a_door(path, self.engine)
+            if kind is None or kind in UNJUDGED:
+                return scope, None
+            api = kind
+            methods = self.endpoints.body_methods(path)
+        else:
+            methods = _POST
         strict = bool(self.enforced_paths) and path.rstrip("/") in self.enforced_paths
-        return scope, (api, strict, None)
+        return scope, (api, strict, None, methods)
+
+    def _closed(self, scope: Scope) -> bool:
+        """Whether a websocket's path is a door the gate refuses (vLLM's realtime audio)."""
+        return self.endpoints.kind_of(with_normalized_path(scope)["path"]) == "refuse"
 
     async def _decide(
         self,
@@ -271,7 +338,7 @@ class ModalGate:
         if self.on_outcome is not None:
             self._report(decider, verdict, received, scope["path"], started, decision.shadowed)
         if not decision.forwards:
-            await send_error(send, verdict.violations)
+            await send_error(send, verdict.violations, api=api)
             return
         scope.setdefault("state", {})[VERDICT_STATE_KEY] = verdict
         replayed = {"type": "http.request", "body": body, "more_body": False}
@@ -311,6 +378,7 @@ class ModalGate:
         read_cap: int,
         scope: Scope,
         started: float | None,
+        api: Api,
     ) -> bytes | None:
         """The whole body from its first ``message`` on, or None once a 413 is sent or
         the client has gone."""
@@ -322,7 +390,7 @@ class ModalGate:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > read_cap:
-                await self._too_large(send, read_cap, size, scope, started)
+                await self._too_large(send, read_cap, size, scope, started, api)
                 return None
             if not message.get("more_body", False):
                 # A body in one message (most small ones) is passed on as that very object.
@@ -331,11 +399,11 @@ class ModalGate:
             message = await receive()
 
     async def _too_large(
-        self, send: Send, read_cap: int, size: int, scope: Scope, started: float | None
+        self, send: Send, read_cap: int, size: int, scope: Scope, started: float | None, api: Api
     ) -> None:
         refusal = payload_too_large(read_cap)
         self.report_early_refusal(scope["path"], refusal, size, started)
-        await send_error(send, [refusal])
+        await send_error(send, [refusal], api=api)
 
     def api_of(self, path: str) -> Api | None:
         """How a (normalised) path's body is read; None: not gated here."""
@@ -343,7 +411,7 @@ class ModalGate:
         if where in self._given:
             return self._given[where]
         kind = self.endpoints.kind_of(where)
-        return None if kind is None or kind == "forward" else kind
+        return None if kind is None or kind in UNJUDGED else kind
 
     def report_early_refusal(
         self, path: str, violation: Violation, body_bytes: int = 0, started: float | None = None
@@ -378,6 +446,10 @@ class ModalGate:
         if self._threads is None:
             self._threads = CpuThreads(self.validation_threads)
         return await self._threads.run(function, *args)
+
+
+def _as_policy(policy: Policy | str | PathLike[str] | None) -> Policy:
+    return policy if isinstance(policy, Policy) else load_policy(policy)
 
 
 def get_verdict(scope: Scope) -> Verdict | None:
@@ -418,8 +490,28 @@ def with_content_length(scope: Scope, length: int) -> list[tuple[bytes, bytes]]:
 
 
 _METHOD_NOT_ALLOWED = Violation(
-    ErrorCode.METHOD_NOT_ALLOWED, "this path takes its request body with POST only"
+    ErrorCode.METHOD_NOT_ALLOWED, "this path does not take a request body with this method"
 )
+_POST = frozenset({"POST"})
+# How a path is gated: its API, whether it is enforced, its raw_path where the route is
+# one of the given paths (None otherwise), the methods its body is taken on.
+Route = tuple[Api, bool, "bytes | None", frozenset[str]]
+
+
+def _closed_door(path: str) -> Violation:
+    return Violation(
+        ErrorCode.NOT_FOUND,
+        f"{path[:100]!r} carries media in a shape modalgate does not read, so it is closed"
+        " here (docs/policy.md#endpoints)",
+    )
+
+
+def _not_a_door(path: str, engine: str) -> Violation:
+    return Violation(
+        ErrorCode.NOT_FOUND,
+        f"{path[:100]!r} is not a door of {engine} that modalgate knows, so a body sent"
+        " there is not passed on (docs/policy.md#endpoints)",
+    )
 
 
 def _has_body(scope: Scope) -> bool:

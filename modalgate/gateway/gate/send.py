@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import orjson
 from starlette.types import Send
 
-from modalgate.errors import Violation, error_json, status_of
+from modalgate.errors import Violation, anthropic_error_json, error_json, status_of
 
 
 async def send_json(
@@ -31,9 +31,12 @@ async def send_error(
     send: Send,
     violations: Sequence[Violation],
     headers: Sequence[tuple[bytes, bytes]] = (),
+    api: str | None = None,
 ) -> None:
-    """The OpenAI envelope; always plain JSON, even for ``"stream": true`` requests."""
-    await send_json(send, status_of(violations), error_json(violations), headers)
+    """The OpenAI envelope, or Anthropic's on its doors (``api``: how the path's body is
+    read); always plain JSON, even for ``"stream": true`` requests."""
+    body = anthropic_error_json(violations) if api == "anthropic" else error_json(violations)
+    await send_json(send, status_of(violations), body, headers)
 
 
 def json_bytes(value: object) -> bytes:

@@ -19,8 +19,11 @@ from modalgate.gateway.gate.middleware import get_verdict, with_content_length
 from modalgate.gateway.gate.send import send_error, send_json
 from modalgate.gateway.upstream.balancer import Upstreams
 from modalgate.policy.models import EmbedsSpec, EndpointKind
+from modalgate.policy.surface import CLOSED
 from modalgate.validators import Verdict
 from modalgate.validators.json_body import rewrite_json_body
+
+_CLOSED = {None, *CLOSED}  # off the surface, an engine's admin path, or a refused door
 
 AdapterLookup = Callable[[str | None], EncoderAdapter | None]
 
@@ -38,7 +41,7 @@ class Forwarder:
         self.endpoint_kind = endpoint_kind
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.endpoint_kind(scope["path"]) is None:
+        if scope["type"] == "http" and self.endpoint_kind(scope["path"]) in _CLOSED:
             await send_error(send, [_not_forwarded(scope)])
             return
         verdict = get_verdict(scope) if scope["type"] == "http" else None
@@ -108,7 +111,8 @@ def _no_route(scope: Scope, verdict: Verdict | None) -> Violation:
 def _not_forwarded(scope: Scope) -> Violation:
     return Violation(
         ErrorCode.NOT_FOUND,
-        f"{scope['path'][:100]!r} is not forwarded here (not in the policy's endpoints)",
+        f"{scope['path'][:100]!r} is not forwarded here (not in the policy's endpoints,"
+        " or an engine's admin path)",
     )
 
 

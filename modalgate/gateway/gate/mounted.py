@@ -1,0 +1,124 @@
+"""The gate mounted inside an engine's own app: its settings from the environment, and the
+engine's API-key lock honoured before any body is judged.
+
+``vllm serve MODEL --middleware modalgate.ModalGate`` calls ``app.add_middleware(ModalGate)``
+with no arguments, so ``ModalGate(app)`` reads what it is not given from the same
+``MODALGATE_*`` variables ``modalgate serve`` reads (and the policy file's ``server:``
+section under them): policy, mode, engine and its flags, served model, shadow mode, API
+keys.
+
+vLLM adds ``--middleware`` classes last, so they run first: the gate sees a request before
+vLLM's ``AuthenticationMiddleware`` does. Judging the body of a request vLLM will refuse
+would spend a fetch, a probe and a decode on it; so the gate reads vLLM's keys where vLLM
+keeps them (``app.state.args.api_key``, else ``VLLM_API_KEY``) and refuses such a request
+itself, 401, before reading its body, on the paths vLLM guards.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from starlette.types import Scope
+
+from modalgate.gateway.gate.auth import bearer_token, configured_keys
+from modalgate.policy import Policy, load_policy
+from modalgate.settings import EngineSpec, GatewaySettings, load_settings, policy_location
+
+
+class FromEnvironment:
+    """The default of each ``ModalGate`` argument the environment may set."""
+
+    def __repr__(self) -> str:
+        return "FROM_ENV"
+
+
+FROM_ENV: Any = FromEnvironment()
+
+# vLLM's AuthenticationMiddleware guards these prefixes only (its GUARDED_PREFIX,
+# vllm/entrypoints/serve/middleware/authenticate.py), and never OPTIONS.
+VLLM_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+
+
+def environment(policy: Policy | None = None) -> tuple[Policy, GatewaySettings]:
+    """The policy and settings ``modalgate serve`` would take from the environment alone."""
+    location = policy_location({})
+    if policy is None:
+        policy = load_policy(location)
+    settings = load_settings({"policy": location}, policy.server.model_dump(exclude_none=True))
+    return policy, settings
+
+
+def engine_spec(settings: GatewaySettings) -> EngineSpec | None:
+    if settings.engine is None:
+        return None
+    flags = {}
+    if settings.engine == "vllm":
+        flags = {
+            "enable_mm_embeds": settings.enable_mm_embeds,
+            "enable_prompt_embeds": settings.enable_prompt_embeds,
+            "trust_request_mm_kwargs": settings.trust_request_mm_kwargs,
+        }
+    return EngineSpec(name=settings.engine, **flags)
+
+
+def own_keys(settings: GatewaySettings) -> list[str]:
+    return configured_keys(settings.api_keys, settings.api_key_file)
+
+
+class KeyLock:
+    """Refuses, before its body is read, a request that carries none of the gate's own
+    keys (anywhere it judges), or none of the engine's keys where the engine checks them."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self.keys = tuple(key.encode() for key in keys)
+        self._engine_keys: dict[int, tuple[bytes, ...]] = {}
+
+    def refuses(self, scope: Scope) -> bool | None:
+        """None: open; False: a key was missing; True: a key was wrong."""
+        token = bearer_token(scope["headers"])
+        if self.keys and not _any_matches(token, self.keys):
+            return token is not None
+        engine = self.engine_keys(scope)
+        if engine and _vllm_guards(scope) and not _any_matches(token, engine):
+            return token is not None
+        return None
+
+    def engine_keys(self, scope: Scope) -> tuple[bytes, ...]:
+        """vLLM's keys, read once per app from where vLLM's ``build_app`` keeps its args."""
+        app = scope.get("app")
+        if app is None:
+            return ()
+        cached = self._engine_keys.get(id(app))
+        if cached is None:
+            cached = self._engine_keys[id(app)] = _vllm_keys(app)
+        return cached
+
+
+def _vllm_keys(app: Any) -> tuple[bytes, ...]:
+    args = getattr(getattr(app, "state", None), "args", None)
+    if args is None or not hasattr(args, "api_key"):
+        return ()  # not vLLM's app
+    # vLLM: --api-key wins over VLLM_API_KEY (serve/middleware/register.py).
+    keys = args.api_key or [os.environ.get("VLLM_API_KEY")]
+    if isinstance(keys, str):
+        keys = [keys]
+    return tuple(key.encode() for key in keys if key)
+
+
+def _vllm_guards(scope: Scope) -> bool:
+    if scope.get("method") == "OPTIONS":
+        return False
+    path = scope["path"].removeprefix(scope.get("root_path", ""))
+    return path.startswith(VLLM_GUARDED_PREFIXES)
+
+
+def _any_matches(token: bytes | None, keys: tuple[bytes, ...]) -> bool:
+    if token is None:
+        return False
+    matched = False
+    for key in keys:  # every key, no early exit
+        matched |= hmac.compare_digest(token, key)
+    return matched

@@ -1,0 +1,344 @@
+"""Every judged door of vLLM and SGLang, mounted in the app as vLLM's ``--middleware``
+mounts it (``ModalGate(app)``, configured by ``MODALGATE_*`` variables) under a real
+uvicorn server: a body that breaks the policy is refused with the same code and param
+the chat door gives the same fault, and a clean body reaches the app byte for byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
+
+from conftest import b64, data_url, image_bytes, serve
+from modalgate import ModalGate
+from modalgate.policy.surface import UNJUDGED, engine_doors, kind_of
+
+PNG = image_bytes("PNG", (64, 48))
+CUT = PNG[: len(PNG) // 2]  # a truncated PNG: invalid_image wherever it is sent
+VIDEO_URL = "https://example.com/clip.mp4"
+
+
+def _video_part() -> dict[str, Any]:
+    return {"type": "video_url", "video_url": {"url": VIDEO_URL}}
+
+
+def _image_part(data: bytes = PNG) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": data_url(data)}}
+
+
+def _base64_source(data: bytes) -> dict[str, str]:
+    return {"type": "base64", "media_type": "image/png", "data": b64(data)}
+
+
+def _chat_messages(part: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [part]}]
+
+
+# kind -> (a body with the fault, its code, its param; a clean body with an image).
+# The fault is a video for image-only kimi-k3 where the door can carry one (the chat door
+# says unsupported_modality at the part's type), else a truncated PNG (invalid_image).
+Case = tuple[dict[str, Any], str, str, dict[str, Any]]
+CASES: dict[str, Case] = {
+    "chat": (
+        {"model": "kimi-k3", "messages": _chat_messages(_video_part())},
+        "unsupported_modality",
+        "messages.[0].content.[0].type",
+        {"model": "kimi-k3", "messages": _chat_messages(_image_part())},
+    ),
+    "chat_batch": (
+        {
+            "model": "kimi-k3",
+            "messages": [_chat_messages(_image_part()), _chat_messages(_video_part())],
+        },
+        "unsupported_modality",
+        "messages.[1].[0].content.[0].type",
+        {"model": "kimi-k3", "messages": [_chat_messages(_image_part())]},
+    ),
+    "responses": (
+        {"model": "kimi-k3", "input": [{"role": "user", "content": [_video_part()]}]},
+        "unsupported_modality",
+        "input.[0].content.[0].type",
+        {
+            "model": "kimi-k3",
+            "input": [
+                {"role": "user", "content": [{"type": "input_image", "image_url": data_url(PNG)}]}
+            ],
+        },
+    ),
+    "completions": (
+        {"model": "kimi-k3", "prompt": "", "prompt_embeds": "AAAA"},
+        "unsupported_modality",
+        "prompt_embeds",
+        {"model": "kimi-k3", "prompt": "a cat"},
+    ),
+    "messages": (
+        {"model": "kimi-k3", "messages": _chat_messages(_video_part())},
+        "unsupported_modality",
+        "messages.[0].content.[0].type",
+        {"model": "kimi-k3", "messages": _chat_messages(_image_part())},
+    ),
+    "pooling": (
+        {"model": "kimi-k3", "messages": _chat_messages(_video_part())},
+        "unsupported_modality",
+        "messages.[0].content.[0].type",
+        {"model": "kimi-k3", "messages": _chat_messages(_image_part())},
+    ),
+    "invocations": (
+        {"model": "kimi-k3", "messages": _chat_messages(_video_part())},
+        "unsupported_modality",
+        "messages.[0].content.[0].type",
+        {"model": "kimi-k3", "messages": _chat_messages(_image_part())},
+    ),
+    "generate": (
+        {"model": "kimi-k3", "text": "hi", "video_data": VIDEO_URL},
+        "unsupported_modality",
+        "video_data",
+        {"model": "kimi-k3", "text": "hi", "image_data": data_url(PNG)},
+    ),
+    "anthropic": (
+        {
+            "model": "kimi-k3",
+            "max_tokens": 8,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {
+                                "type": "base64",
+                                "media_type": "image/png",
+                                "data": b64(CUT),
+                            },
+                        }
+                    ],
+                }
+            ],
+        },
+        "invalid_image",
+        "messages.[0].content.[0].source.data",
+        {
+            "model": "kimi-k3",
+            "max_tokens": 8,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is this?"},
+                        {
+                            "type": "image",
+                            "source": {
+                                "type": "base64",
+                                "media_type": "image/png",
+                                "data": b64(PNG),
+                            },
+                        },
+                    ],
+                }
+            ],
+        },
+    ),
+    "score": (
+        {"model": "kimi-k3", "query": "a cat", "documents": [{"content": [_video_part()]}]},
+        "unsupported_modality",
+        "documents.[0].content.[0].type",
+        {"model": "kimi-k3", "query": "a cat", "documents": ["text", {"content": [_image_part()]}]},
+    ),
+    "embed_v2": (
+        {"model": "kimi-k3", "input_type": "image", "images": [data_url(CUT)]},
+        "invalid_image",
+        "images.[0]",
+        {
+            "model": "kimi-k3",
+            "input_type": "image",
+            "inputs": [{"content": [{"type": "text", "text": "a"}, _image_part()]}],
+        },
+    ),
+    "token_in": (
+        {
+            "model": "kimi-k3",
+            "token_ids": [1, 2, 3],
+            "features": {
+                "mm_hashes": {"video": ["h0"]},
+                "mm_placeholders": {"video": [{"offset": 0, "length": 2}]},
+                "kwargs_data": {"video": ["AAAA"]},
+            },
+        },
+        "unsupported_modality",
+        "features.mm_hashes.video.[0]",
+        {
+            "model": "kimi-k3",
+            "token_ids": [1, 2, 3],
+            "content_parts": [{"type": "image_url", "url": data_url(PNG)}],
+        },
+    ),
+    "vertex": (
+        {"instances": [{"text": "hi"}], "parameters": {"video_data": VIDEO_URL}},
+        "unsupported_modality",
+        "parameters.video_data",
+        {"instances": [{"text": "hi", "image_data": data_url(PNG)}]},
+    ),
+}
+
+
+def judged_doors() -> list[tuple[str, str, str, str]]:
+    """(engine, path, kind, method) for every judged door and method of both engines."""
+    doors = []
+    for engine in ("vllm", "sglang"):
+        for door, spec in engine_doors()[engine].items():
+            kind = kind_of(spec)
+            if kind in UNJUDGED or door.endswith("/*"):
+                continue
+            methods = getattr(spec, "methods", ("POST",))
+            doors += [(engine, door, kind, method) for method in methods]
+    return doors
+
+
+def test_every_judged_kind_has_a_case():
+    assert {kind for _, _, kind, _ in judged_doors()} <= set(CASES)
+
+
+class Recorder:
+    """The engine's app as far as the gate can tell: every door answers what it received."""
+
+    def __init__(self) -> None:
+        self.received: list[tuple[str, str, bytes]] = []
+
+    def app(self, engine: str) -> Starlette:
+        routes = [
+            Route(door, self._door, methods=["GET", "POST", "PUT"])
+            for door in engine_doors()[engine]
+            if not door.endswith("/*")
+        ]
+        routes.append(Route("/not-a-door", self._door, methods=["POST"]))
+        routes.append(WebSocketRoute("/v1/realtime", _realtime))
+        return Starlette(routes=routes)
+
+    async def _door(self, request: Request) -> JSONResponse:
+        body = await request.body()
+        self.received.append((request.method, request.url.path, body))
+        return JSONResponse({"door": request.url.path})
+
+
+async def _realtime(websocket: WebSocket) -> None:  # pragma: no cover - must not be reached
+    await websocket.accept()
+    await websocket.send_text("reached")
+    await websocket.close()
+
+
+@contextlib.contextmanager
+def mounted(engine: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Recorder, str]]:
+    """The recorder behind ``ModalGate(app)``, set up by the environment alone: the engine,
+    and the one model it serves (bodies without a model, such as Vertex's, are judged as
+    it)."""
+    monkeypatch.setenv("MODALGATE_ENGINE", engine)
+    monkeypatch.setenv("MODALGATE_SERVED_MODEL", "kimi-k3")
+    recorder = Recorder()
+    app = recorder.app(engine)
+    app.add_middleware(ModalGate)  # what vLLM's --middleware modalgate.ModalGate does
+    with serve(app) as base:
+        yield recorder, base
+
+
+@pytest.fixture(scope="module", params=["vllm", "sglang"])
+def engine_app(request) -> Iterator[tuple[str, Recorder, str]]:
+    with (
+        pytest.MonkeyPatch.context() as monkeypatch,
+        mounted(request.param, monkeypatch) as (
+            recorder,
+            base,
+        ),
+    ):
+        yield request.param, recorder, base
+
+
+def _send(base: str, method: str, door: str, payload: dict[str, Any]) -> httpx.Response:
+    content = orjson.dumps(payload)
+    headers = {"content-type": "application/json"}
+    return httpx.request(method, base + door, content=content, headers=headers, timeout=30)
+
+
+def test_each_door_refuses_the_fault_as_the_chat_door_does(engine_app):
+    engine, recorder, base = engine_app
+    doors = [d for d in judged_doors() if d[0] == engine]
+    assert len(doors) >= 10
+    for _, door, kind, method in doors:
+        fault, code, param, _ = CASES[kind]
+        recorder.received.clear()
+        answer = _send(base, method, door, fault)
+        error = answer.json()["error"]
+        assert (answer.status_code, error["code"], error["param"]) == (400, code, param), (
+            door,
+            method,
+            error,
+        )
+        assert recorder.received == [], door
+        if kind == "anthropic":  # its own envelope, the code and param inside it
+            assert answer.json()["type"] == "error"
+            assert error["type"] == "invalid_request_error"
+
+
+def test_each_door_passes_a_clean_body_unchanged(engine_app):
+    engine, recorder, base = engine_app
+    for _, door, kind, method in (d for d in judged_doors() if d[0] == engine):
+        clean = CASES[kind][3]
+        recorder.received.clear()
+        answer = _send(base, method, door, clean)
+        assert answer.status_code == 200, (door, method, answer.text)
+        assert recorder.received == [(method, door, orjson.dumps(clean))], door
+
+
+def test_a_refused_door_is_closed_and_a_websocket_there_never_opens(engine_app):
+    _, recorder, base = engine_app
+    recorder.received.clear()
+    answer = httpx.post(
+        base + "/v1/audio/transcriptions",
+        files={"file": ("a.wav", PNG, "audio/wav")},
+        data={"model": "kimi-k3"},
+    )
+    assert answer.status_code == 404
+    assert answer.json()["error"]["code"] == "not_found"
+    assert recorder.received == []
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    with pytest.raises(InvalidStatus) as refused:
+        connect(base.replace("http", "ws") + "/v1/realtime?model=kimi-k3")
+    assert refused.value.response.status_code == 403
+
+
+def test_a_named_engine_refuses_a_body_on_a_path_it_does_not_list(engine_app):
+    _, recorder, base = engine_app
+    recorder.received.clear()
+    answer = _send(base, "POST", "/not-a-door", CASES["chat"][3])
+    assert answer.status_code == 404
+    assert answer.json()["error"]["code"] == "not_found"
+    assert recorder.received == []
+    # The same path and body reach the app where no engine is named (the docs say why).
+
+
+def test_no_engine_named_passes_other_paths_and_judges_every_engines_doors(monkeypatch):
+    monkeypatch.delenv("MODALGATE_ENGINE", raising=False)
+    recorder = Recorder()
+    app = recorder.app("vllm")
+    app.add_middleware(ModalGate)
+    with serve(app) as base:
+        fault, code, param, clean = CASES["anthropic"]
+        refused = _send(base, "POST", "/v1/messages", fault).json()
+        assert (refused["type"], refused["error"]["code"], refused["error"]["param"]) == (
+            "error",
+            code,
+            param,
+        )
+        assert _send(base, "POST", "/not-a-door", clean).status_code == 200
+        assert recorder.received == [("POST", "/not-a-door", orjson.dumps(clean))]
