@@ -322,16 +322,26 @@ def without_header_mutation(config: dict[str, Any]) -> None:
     filters[:] = [f for f in filters if not f["name"].endswith(".header_mutation")]
 
 
+def full_duplex(config: dict[str, Any]) -> None:
+    """The body streamed to the processor, the header answer held for the decision; the
+    route cache left to the processor."""
+    ext_proc = gate_filter(config)
+    ext_proc.pop("route_cache_action")
+    mode = ext_proc["processing_mode"]
+    mode.update(request_body_mode="FULL_DUPLEX_STREAMED", request_trailer_mode="SEND")
+
+
 @pytest.mark.parametrize(
     ("integration", "change"),
     [
         # As Envoy Gateway writes the filter: the processor's clear_route_cache alone.
         pytest.param("extproc", drop("route_cache_action"), id="extproc-processor-alone"),
+        pytest.param("extproc", full_duplex, id="extproc-FULL_DUPLEX_STREAMED"),
         # Without the config's header_mutation filter: the check's answer alone.
         pytest.param("authz", without_header_mutation, id="authz-check-alone"),
     ],
 )
-def test_the_decision_routes_without_the_configs_belt_and_braces(
+def test_the_decision_routes_under_configs_the_project_does_not_ship(
     envoy_with, pools, integration, change
 ):
     pools.clear()
@@ -360,3 +370,41 @@ def test_with_the_route_cache_kept_the_route_follows_the_client(
     # A claim picks the pool it names; no claim, no decision header yet: the text pool.
     expected = [(h, kind, c, POOL_OF[c] if c else "text") for h in HOSTS for kind, c in CASES]
     assert routed == expected
+
+
+PER_ROUTE_OFF = {
+    "extproc": (
+        "envoy.filters.http.ext_proc",
+        "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+    ),
+    "authz": (
+        "envoy.filters.http.ext_authz",
+        "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthzPerRoute",
+    ),
+}
+
+
+@pytest.mark.parametrize("integration", ["extproc", "authz"])
+def test_a_pool_route_with_the_gate_disabled_is_a_way_around_it(envoy_with, pools, integration):
+    """Why docs/envoy.md says to keep the gate on every route a decision header can select:
+    Envoy runs a filter disabled per route or not by the route the client's headers chose."""
+    name, kind = PER_ROUTE_OFF[integration]
+
+    def vision_route_ungated(config: dict[str, Any]) -> None:
+        for host in connection_manager(config)["route_config"]["virtual_hosts"]:
+            vision = host["routes"][0]
+            vision["typed_per_filter_config"] = {name: {"@type": kind, "disabled": True}}
+
+    video = chat(
+        {"type": "video_url", "video_url": {"url": "https://x.test/a.mp4"}}, model="vision-model"
+    )
+    pools.clear()
+    with envoy_with(integration, vision_route_ungated) as url, httpx.Client(base_url=url) as http:
+        headers = [("host", "pools.test")]
+        refused = http.post("/v1/chat/completions", json=video, headers=headers)
+        claiming = [*headers, ("x-modalgate-modalities", "text,image")]
+        unjudged = http.post("/v1/chat/completions", json=video, headers=claiming)
+    assert refused.status_code == 400
+    assert unjudged.status_code == 200
+    pool, received = pools.took()
+    assert (pool, received.json()) == ("vision", video)  # what the gate refuses, unjudged
