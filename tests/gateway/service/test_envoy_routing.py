@@ -75,6 +75,7 @@ ROUTED_ON = {
     "*": ("x-modalgate-modalities", {"contains": "image"}),
 }
 HOSTS = {"model.test": "model.test", "rule.test": "rule.test", "*": "pools.test"}
+ROUTED_BY = "x-test-routed-on"
 
 
 @dataclass
@@ -90,13 +91,16 @@ class Pools:
         self.text.received.clear()
         self.vision.received.clear()
 
-    def took(self) -> tuple[str, Received]:
-        """The one request received since the last call: which pool got it, and what."""
+    def took(self, host_key: str) -> tuple[str, Received]:
+        """The one request received since the last call, through the virtual host
+        ``host_key``: which pool got it, and what."""
         got = [("text", r) for r in self.text.received] + [
             ("vision", r) for r in self.vision.received
         ]
         self.clear()
         assert len(got) == 1, [(pool, r.path) for pool, r in got]
+        _, received = got[0]
+        assert received.headers[ROUTED_BY] == ROUTED_ON[host_key][0]
         return got[0]
 
 
@@ -127,6 +131,9 @@ def two_pools(config: dict[str, Any], pools: Pools) -> dict[str, Any]:
             {
                 "name": domain.replace("*", "any"),
                 "domains": [domain] if domain == "*" else [domain, f"{domain}:*"],
+                # Which virtual host routed it, for the tests to see (x-modalgate-* would
+                # be a decision header, so not that prefix).
+                "request_headers_to_add": [{"header": {"key": ROUTED_BY, "value": header}}],
                 "routes": [
                     {"match": to_vision, "route": {"cluster": "vision_pool", "timeout": "0s"}},
                     {"match": {"prefix": "/"}, "route": {"cluster": "text_pool", "timeout": "0s"}},
@@ -234,7 +241,7 @@ def route_all(http: httpx.Client, pools: Pools) -> list[tuple[str, str, str | No
             claims = claim(host_key, claimed) if claimed else []
             answer = send(http, kind, host, claims)
             assert answer.status_code == 200, answer.text
-            pool, received = pools.took()
+            pool, received = pools.took(host_key)
             assert decision_headers(received) == DECIDED[kind], (host, kind, claimed)
             routed.append((host_key, kind, claimed, pool))
     return routed
@@ -255,7 +262,7 @@ def test_every_decision_header_spoofed_at_once_and_twice_over_moves_nothing(clie
         for host_key, host in HOSTS.items():
             answer = send(client, kind, host, claims)
             assert answer.status_code == 200, answer.text
-            pool, received = pools.took()
+            pool, received = pools.took(host_key)
             assert (host_key, kind, pool) == (host_key, kind, POOL_OF[kind])
             # The client's extra x-modalgate-* is gone too: the names are the gate's.
             assert decision_headers(received) == DECIDED[kind]
@@ -272,7 +279,7 @@ def test_a_request_the_gate_does_not_judge_cannot_claim_a_pool_either(
         claims = [(k, v) for k, v in DECIDED["image"].items()]
         answer = client.request(method, path, content=content, headers=[("host", host), *claims])
         assert answer.status_code == 200, answer.text
-        pool, received = pools.took()
+        pool, received = pools.took(host_key)
         assert (host_key, received.path, pool) == (host_key, path, "text")
         assert decision_headers(received) == UNJUDGED
 
@@ -406,5 +413,5 @@ def test_a_pool_route_with_the_gate_disabled_is_a_way_around_it(envoy_with, pool
         unjudged = http.post("/v1/chat/completions", json=video, headers=claiming)
     assert refused.status_code == 400
     assert unjudged.status_code == 200
-    pool, received = pools.took()
+    pool, received = pools.took("*")
     assert (pool, received.json()) == ("vision", video)  # what the gate refuses, unjudged
