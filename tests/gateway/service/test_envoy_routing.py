@@ -268,16 +268,24 @@ def test_every_decision_header_spoofed_at_once_and_twice_over_moves_nothing(clie
             assert decision_headers(received) == DECIDED[kind]
 
 
-@pytest.mark.parametrize(
-    ("method", "path", "content"),
-    [("GET", "/v1/models", None), ("POST", "/echo/anything", b"not judged")],
-)
+UNJUDGED_REQUESTS = [("GET", "/v1/models", None), ("POST", "/echo/anything", b"not judged")]
+
+
+@pytest.mark.parametrize(("method", "path", "content"), UNJUDGED_REQUESTS)
 def test_a_request_the_gate_does_not_judge_cannot_claim_a_pool_either(
     client, pools, method, path, content
 ):
+    route_unjudged(client, pools, method, path, content)
+
+
+def route_unjudged(
+    http: httpx.Client, pools: Pools, method: str, path: str, content: bytes | None
+) -> None:
+    """A request the gate does not judge, claiming the vision pool in every decision
+    header, on every virtual host: the text pool gets it, with the gate's values."""
     for host_key, host in HOSTS.items():
         claims = [(k, v) for k, v in DECIDED["image"].items()]
-        answer = client.request(method, path, content=content, headers=[("host", host), *claims])
+        answer = http.request(method, path, content=content, headers=[("host", host), *claims])
         assert answer.status_code == 200, answer.text
         pool, received = pools.took(host_key)
         assert (host_key, received.path, pool) == (host_key, path, "text")
@@ -329,6 +337,14 @@ def without_header_mutation(config: dict[str, Any]) -> None:
     filters[:] = [f for f in filters if not f["name"].endswith(".header_mutation")]
 
 
+def as_envoy_gateway_writes_it(config: dict[str, Any]) -> None:
+    """The filter as Envoy Gateway's translator writes it for an EnvoyExtensionPolicy:
+    no route_cache_action, mutation_rules or allow_mode_override; the processor's
+    clear_route_cache alone."""
+    for name in ("route_cache_action", "mutation_rules", "allow_mode_override"):
+        gate_filter(config).pop(name)
+
+
 def full_duplex(config: dict[str, Any]) -> None:
     """The body streamed to the processor, the header answer held for the decision; the
     route cache left to the processor."""
@@ -341,8 +357,8 @@ def full_duplex(config: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("integration", "change"),
     [
-        # As Envoy Gateway writes the filter: the processor's clear_route_cache alone.
         pytest.param("extproc", drop("route_cache_action"), id="extproc-processor-alone"),
+        pytest.param("extproc", as_envoy_gateway_writes_it, id="extproc-as-envoy-gateway"),
         pytest.param("extproc", full_duplex, id="extproc-FULL_DUPLEX_STREAMED"),
         # Without the config's header_mutation filter: the check's answer alone.
         pytest.param("authz", without_header_mutation, id="authz-check-alone"),
@@ -354,6 +370,8 @@ def test_the_decision_routes_under_configs_the_project_does_not_ship(
     pools.clear()
     with envoy_with(integration, change) as url, httpx.Client(base_url=url, timeout=30) as http:
         assert route_all(http, pools) == following_the_decision()
+        for method, path, content in UNJUDGED_REQUESTS:
+            route_unjudged(http, pools, method, path, content)
 
 
 @pytest.mark.parametrize(
