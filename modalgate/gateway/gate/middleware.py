@@ -225,9 +225,10 @@ class ModalGate:
             if _has_body(scope):
                 # A body on another method would reach a server that reads it (SGLang takes
                 # PUT /generate) without being judged.
-                self.report_early_refusal(scope["path"], _METHOD_NOT_ALLOWED)
-                allow = b", ".join(sorted(m.encode() for m in route[3]))
-                await send_error(send, [_METHOD_NOT_ALLOWED], [(b"allow", allow)], route[0])
+                refusal = _method_not_allowed(route[3])
+                self.report_early_refusal(scope["path"], refusal)
+                allow = ", ".join(sorted(route[3])).encode()
+                await send_error(send, [refusal], [(b"allow", allow)], route[0])
             else:
                 await self.app(scope, receive, send)  # GET, HEAD, OPTIONS (CORS preflight)
             return
@@ -489,10 +490,16 @@ def with_content_length(scope: Scope, length: int) -> list[tuple[bytes, bytes]]:
     return headers
 
 
-_METHOD_NOT_ALLOWED = Violation(
-    ErrorCode.METHOD_NOT_ALLOWED, "this path does not take a request body with this method"
-)
 _POST = frozenset({"POST"})
+
+
+def _method_not_allowed(methods: frozenset[str]) -> Violation:
+    return Violation(
+        ErrorCode.METHOD_NOT_ALLOWED,
+        f"this path takes its request body with {', '.join(sorted(methods))} only",
+    )
+
+
 # How a path is gated: its API, whether it is enforced, its raw_path where the route is
 # one of the given paths (None otherwise), the methods its body is taken on.
 Route = tuple[Api, bool, "bytes | None", frozenset[str]]
