@@ -15,10 +15,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
-# How the gate reads a path's body. The judged kinds are ``validators.request.Api``;
-# ``forward``: no media, passed on unread; ``admin``: an engine's control path, never
-# forwarded by the proxy; ``refuse``: media in a shape the gate does not read, refused.
-EndpointKind = Literal[
+# How the gate reads a path's body: each judged kind has its reader in validators/.
+JudgedKind = Literal[
     "chat",
     "responses",
     "completions",
@@ -32,10 +30,10 @@ EndpointKind = Literal[
     "token_in",
     "invocations",
     "vertex",
-    "forward",
-    "admin",
-    "refuse",
 ]
+# ``forward``: no media, passed on unread; ``admin``: an engine's control path, never
+# forwarded by the proxy; ``refuse``: media in a shape the gate does not read, refused.
+EndpointKind = Literal[JudgedKind, "forward", "admin", "refuse"]
 UNJUDGED: frozenset[str] = frozenset({"forward", "admin", "refuse"})
 # Kinds a proxy never forwards.
 CLOSED: frozenset[str] = frozenset({"admin", "refuse"})

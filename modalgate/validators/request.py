@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 from modalgate.errors import (
     MAX_LISTED_VIOLATIONS,
@@ -24,6 +24,7 @@ from modalgate.errors import (
     payload_too_large,
 )
 from modalgate.policy.matching import ResolvedRule, RuleMatcher
+from modalgate.policy.surface import JudgedKind
 from modalgate.validators.admission import COUNT_MARGIN, CountExceeded, invalid
 from modalgate.validators.anthropic import walk_anthropic
 from modalgate.validators.dialects import (
@@ -75,21 +76,7 @@ _NAMES = {
 
 # How a body is read: which paths carry which kind is policy (``endpoints``, and each
 # engine's doors: policy/doors.yaml).
-Api = Literal[
-    "chat",
-    "responses",
-    "completions",
-    "messages",
-    "generate",
-    "anthropic",
-    "chat_batch",
-    "score",
-    "embed_v2",
-    "pooling",
-    "token_in",
-    "invocations",
-    "vertex",
-]
+Api = JudgedKind
 # OpenAI's and Anthropic's APIs require a model; SGLang's /generate has no such field,
 # tokenize and the pooling doors make it optional.
 _MODEL_REQUIRED = frozenset({"chat", "responses", "completions", "anthropic"})
