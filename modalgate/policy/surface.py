@@ -30,6 +30,9 @@ JudgedKind = Literal[
     "token_in",
     "invocations",
     "vertex",
+    "media_lists",
+    "ollama",
+    "audio_upload",
 ]
 # ``forward``: no media, passed on unread; ``admin``: an engine's control path, never
 # forwarded by the proxy; ``refuse``: media in a shape the gate does not read, refused.

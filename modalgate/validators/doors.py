@@ -275,6 +275,80 @@ def walk_vertex(
         walk_generate(parameters, rule, verdict, root="parameters")
 
 
+# The URL lists of vLLM's and SGLang's decision doors, with their modalities.
+_MEDIA_LISTS = (("images", "image"), ("videos", "video"), ("audio", "audio"))
+
+
+def walk_media_lists(
+    request: dict[str, Any], rule: ResolvedRule, verdict: VerdictBuilder, dialect: Dialect
+) -> None:
+    """``/v1/systemone`` and ``/v1/decisions``: ``images``, ``videos`` and ``audio`` lists of
+    URL or data URL strings, or (SGLang) image objects with a ``url``."""
+    for field, modality in _MEDIA_LISTS:
+        items = request.get(field)
+        if items is None:
+            continue
+        if not isinstance(items, list):
+            verdict.violations.append(invalid("must be an array", field))
+            continue
+        for i, item in enumerate(items):
+            if len(verdict.violations) >= MAX_LISTED_VIOLATIONS:
+                return
+            where = path(field, i)
+            url, url_at = item, where
+            if isinstance(item, dict):
+                url, url_at = item.get("url"), path(where, "url")
+            if not isinstance(url, str):
+                verdict.violations.append(invalid("must be a URL or data URL string", url_at))
+                continue
+            media = PartDraft(
+                param=where, part_type=field, modality=modality, role="user", source="url"
+            )
+            media.type_param = where
+            media.inlinable = True
+            admit(with_url(media, url, url_at), rule, verdict)
+
+
+def walk_ollama(
+    request: dict[str, Any], rule: ResolvedRule, verdict: VerdictBuilder, dialect: Dialect
+) -> None:
+    """Ollama's ``/api/chat`` and ``/api/generate``: ``images`` of bare base64, on each
+    message or on the request."""
+    messages = request.get("messages")
+    if isinstance(messages, list):
+        for i, message in enumerate(messages):
+            if isinstance(message, dict):
+                role = message.get("role")
+                role = role if isinstance(role, str) else "user"
+                _base64_images(
+                    message.get("images"), path("messages", i, "images"), role, rule, verdict
+                )
+    _base64_images(request.get("images"), "images", "user", rule, verdict)
+
+
+def _base64_images(
+    images: Any, where: str, role: str, rule: ResolvedRule, verdict: VerdictBuilder
+) -> None:
+    if images is None:
+        return
+    if not isinstance(images, list):
+        verdict.violations.append(invalid("must be an array of base64 strings", where))
+        return
+    for j, image in enumerate(images):
+        if len(verdict.violations) >= MAX_LISTED_VIOLATIONS:
+            return
+        at = path(where, j)
+        if not isinstance(image, str):
+            verdict.violations.append(invalid("must be a base64 string", at))
+            continue
+        media = PartDraft(
+            param=at, part_type="images", modality="image", role=role, source="base64"
+        )
+        media.type_param = media.payload_param = at
+        media.payload = image
+        admit(media, rule, verdict)
+
+
 # Which readings a SageMaker ``/invocations`` body gets: the engine tries its request
 # models in turn and takes the first that validates, so every reading whose keys the
 # body has is judged (a superset of the one the engine picks).

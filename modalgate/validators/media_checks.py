@@ -91,7 +91,10 @@ def cheap_violations(
 
 
 def probe_violations(part: PartDraft, rule: ResolvedRule) -> list[Violation]:
-    """Decode an inline payload, then check what the bytes are."""
+    """Decode an inline payload, then check what the bytes are (an upload's bytes came
+    whole: checked as they are)."""
+    if part.source == "upload":
+        return content_violations(part, rule)
     if part.payload is None or part.source == "embeds":
         return []
     try:

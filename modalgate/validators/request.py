@@ -36,6 +36,8 @@ from modalgate.validators.doors import (
     walk_chat_batch,
     walk_embed_v2,
     walk_invocations,
+    walk_media_lists,
+    walk_ollama,
     walk_pooling,
     walk_score,
     walk_token_in,
@@ -57,6 +59,7 @@ from modalgate.validators.messages import (
     walk_messages,
 )
 from modalgate.validators.parts import PART_KINDS
+from modalgate.validators.upload import read_form, walk_upload
 from modalgate.validators.verdict import (
     Verdict,
     VerdictBuilder,
@@ -100,6 +103,9 @@ _OTHER_WALKS = {
     "token_in": walk_token_in,
     "invocations": walk_invocations,
     "vertex": walk_vertex,
+    "media_lists": walk_media_lists,
+    "ollama": walk_ollama,
+    "audio_upload": walk_upload,
 }
 # (the name a request is judged as, the rule it resolved to) -> the model that really
 # serves it, or None to judge it as named.
@@ -144,8 +150,15 @@ def validate_body(
     api: Api = "chat",
     served: ServedModel | None = None,
     dialect: DialectOf | None = None,
+    content_type: bytes | None = None,
 ) -> Verdict:
-    """The whole check for one request body."""
+    """The whole check for one request body; ``content_type``: its header, which says how
+    an audio upload's form is delimited."""
+    if api == "audio_upload":
+        form = read_form(body, content_type)
+        if isinstance(form, Violation):
+            return refused(form, matcher.mode)
+        return validate_request(form, matcher, len(body), api, served, dialect)
     if len(body) > ASIDE_MIN_PAYLOAD:
         verdict = _with_payloads_aside(body, matcher, api, served, dialect)
         if verdict is not None:

@@ -38,7 +38,8 @@ class MediaPart:
     part_type: str
     modality: str
     role: str
-    source: str  # data | url | base64 | file_id | embeds | cached (a uuid, no payload)
+    # data | url | base64 | file_id | embeds | cached (a uuid, no payload) | upload (multipart)
+    source: str
     url: str | None = None  # remote URL, never a data URL
     mime: str | None = None
     format: str | None = None

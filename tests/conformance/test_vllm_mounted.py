@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import httpx
 import orjson
 import pytest
-from gateway.test_doors import CASES, judged_doors
+from gateway.test_doors import CASES, judged_doors, send_case
 
 from conformance.differential import ENGINE_PYTHON, ROOT
 from conftest import free_port, image_part
@@ -80,7 +80,7 @@ def test_every_vllm_door_refuses_the_fault_before_any_handler(vllm_server):
     assert len(doors) >= 20
     for door, kind in doors:
         fault, code, param, _ = CASES[kind]
-        answer = _post(vllm_server, door, fault)
+        answer = send_case(vllm_server, "POST", door, fault, KEY)
         error = answer.json()["error"]
         assert (answer.status_code, error["code"], error["param"]) == (400, code, param), door
 

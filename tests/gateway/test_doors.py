@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from av_media import make_audio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -26,6 +27,26 @@ from modalgate.policy.surface import UNJUDGED, engine_doors, kind_of
 PNG = image_bytes("PNG", (64, 48))
 CUT = PNG[: len(PNG) // 2]  # a truncated PNG: invalid_image wherever it is sent
 VIDEO_URL = "https://example.com/clip.mp4"
+WAV = make_audio("wav", seconds=1.0)
+BOUNDARY = "modalgate-test-boundary"
+
+
+def form(fields: dict[str, str], file: bytes, filename: str = "clip.wav") -> bytes:
+    """A multipart form as the openai SDK sends one: text fields, then ``file``."""
+    lines = []
+    for name, value in fields.items():
+        lines += [f"--{BOUNDARY}", f'Content-Disposition: form-data; name="{name}"', "", value]
+    head = "\r\n".join(
+        [
+            *lines,
+            f"--{BOUNDARY}",
+            f'Content-Disposition: form-data; name="file"; filename="{filename}"',
+            "Content-Type: application/octet-stream",
+            "",
+            "",
+        ]
+    )
+    return head.encode() + file + f"\r\n--{BOUNDARY}--\r\n".encode()
 
 
 def _video_part() -> dict[str, Any]:
@@ -182,6 +203,25 @@ CASES: dict[str, Case] = {
             "content_parts": [{"type": "image_url", "url": data_url(PNG)}],
         },
     ),
+    "media_lists": (
+        {"model": "kimi-k3", "state": "x", "questions": {}, "videos": [VIDEO_URL]},
+        "unsupported_modality",
+        "videos.[0]",
+        {"model": "kimi-k3", "state": "x", "images": [data_url(PNG), {"url": data_url(PNG)}]},
+    ),
+    "ollama": (
+        {"model": "kimi-k3", "messages": [{"role": "user", "content": "?", "images": [b64(CUT)]}]},
+        "invalid_image",
+        "messages.[0].images.[0]",
+        {"model": "kimi-k3", "messages": [{"role": "user", "content": "?", "images": [b64(PNG)]}]},
+    ),
+    # A PNG uploaded as audio to an audio model (the chat door: an image in input_audio).
+    "audio_upload": (
+        {"form": form({"model": "Qwen/Qwen2-Audio-7B-Instruct"}, PNG, "clip.wav")},
+        "modality_mismatch",
+        "file",
+        {"form": form({"model": "Qwen/Qwen2-Audio-7B-Instruct", "language": "en"}, WAV)},
+    ),
     "vertex": (
         {"instances": [{"text": "hi"}], "parameters": {"video_data": VIDEO_URL}},
         "unsupported_modality",
@@ -237,12 +277,15 @@ async def _realtime(websocket: WebSocket) -> None:  # pragma: no cover - must no
 
 
 @contextlib.contextmanager
-def mounted(engine: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Recorder, str]]:
+def mounted(
+    engine: str, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Recorder, str]]:
     """The recorder behind ``ModalGate(app)``, set up by the environment alone: the engine,
-    and the one model it serves (bodies without a model, such as Vertex's, are judged as
-    it)."""
+    and a policy file whose default model judges bodies that name none (Vertex's)."""
+    policy = tmp_path_factory.mktemp("policy") / "policy.yaml"
+    policy.write_text("extends: builtin\ndefault_model: kimi-k3\n", encoding="utf-8")
     monkeypatch.setenv("MODALGATE_ENGINE", engine)
-    monkeypatch.setenv("MODALGATE_SERVED_MODEL", "kimi-k3")
+    monkeypatch.setenv("MODALGATE_POLICY", str(policy))
     recorder = Recorder()
     app = recorder.app(engine)
     app.add_middleware(ModalGate)  # what vLLM's --middleware modalgate.ModalGate does
@@ -251,21 +294,31 @@ def mounted(engine: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Reco
 
 
 @pytest.fixture(scope="module", params=["vllm", "sglang"])
-def engine_app(request) -> Iterator[tuple[str, Recorder, str]]:
+def engine_app(request, tmp_path_factory) -> Iterator[tuple[str, Recorder, str]]:
+    engine = request.param
     with (
         pytest.MonkeyPatch.context() as monkeypatch,
-        mounted(request.param, monkeypatch) as (
-            recorder,
-            base,
-        ),
+        mounted(engine, monkeypatch, tmp_path_factory) as (recorder, base),
     ):
         yield request.param, recorder, base
 
 
-def _send(base: str, method: str, door: str, payload: dict[str, Any]) -> httpx.Response:
-    content = orjson.dumps(payload)
-    headers = {"content-type": "application/json"}
-    return httpx.request(method, base + door, content=content, headers=headers, timeout=30)
+def sent(payload: dict[str, Any]) -> bytes:
+    """The bytes a case sends: its form as built, or its JSON."""
+    return payload["form"] if "form" in payload else orjson.dumps(payload)
+
+
+def send_case(
+    base: str, method: str, door: str, payload: dict[str, Any], key: str | None = None
+) -> httpx.Response:
+    if "form" in payload:
+        content_type = f"multipart/form-data; boundary={BOUNDARY}"
+    else:
+        content_type = "application/json"
+    headers = {"content-type": content_type}
+    if key is not None:
+        headers["authorization"] = f"Bearer {key}"
+    return httpx.request(method, base + door, content=sent(payload), headers=headers, timeout=30)
 
 
 def test_each_door_refuses_the_fault_as_the_chat_door_does(engine_app):
@@ -275,7 +328,7 @@ def test_each_door_refuses_the_fault_as_the_chat_door_does(engine_app):
     for _, door, kind, method in doors:
         fault, code, param, _ = CASES[kind]
         recorder.received.clear()
-        answer = _send(base, method, door, fault)
+        answer = send_case(base, method, door, fault)
         error = answer.json()["error"]
         assert (answer.status_code, error["code"], error["param"]) == (400, code, param), (
             door,
@@ -293,22 +346,13 @@ def test_each_door_passes_a_clean_body_unchanged(engine_app):
     for _, door, kind, method in (d for d in judged_doors() if d[0] == engine):
         clean = CASES[kind][3]
         recorder.received.clear()
-        answer = _send(base, method, door, clean)
+        answer = send_case(base, method, door, clean)
         assert answer.status_code == 200, (door, method, answer.text)
-        assert recorder.received == [(method, door, orjson.dumps(clean))], door
+        assert recorder.received == [(method, door, sent(clean))], door
 
 
-def test_a_refused_door_is_closed_and_a_websocket_there_never_opens(engine_app):
-    _, recorder, base = engine_app
-    recorder.received.clear()
-    answer = httpx.post(
-        base + "/v1/audio/transcriptions",
-        files={"file": ("a.wav", PNG, "audio/wav")},
-        data={"model": "kimi-k3"},
-    )
-    assert answer.status_code == 404
-    assert answer.json()["error"]["code"] == "not_found"
-    assert recorder.received == []
+def test_a_refused_door_never_opens_its_websocket(engine_app):
+    _, _, base = engine_app
     from websockets.exceptions import InvalidStatus
     from websockets.sync.client import connect
 
@@ -317,10 +361,37 @@ def test_a_refused_door_is_closed_and_a_websocket_there_never_opens(engine_app):
     assert refused.value.response.status_code == 403
 
 
+def test_an_upload_is_judged_by_its_bytes_and_its_form(engine_app):
+    _, recorder, base = engine_app
+    recorder.received.clear()
+    door = "/v1/audio/transcriptions"
+    cases = [
+        # Audio to image-only kimi-k3: the rule's own message, at the file.
+        (form({"model": "kimi-k3"}, WAV), "unsupported_modality", "file"),
+        # Two files: Starlette keeps the last, so the gate refuses to pick one.
+        (form({"model": "qwen2-audio", "file": "x"}, WAV), "invalid_request", "file"),
+        # No file at all.
+        (
+            form({"model": "qwen2-audio"}, WAV).replace(b'name="file"', b'name="other"'),
+            "invalid_request",
+            "file",
+        ),
+    ]
+    for body, code, param in cases:
+        answer = send_case(base, "POST", door, {"form": body})
+        error = answer.json()["error"]
+        assert (answer.status_code, error["code"], error["param"]) == (400, code, param), error
+    not_a_form = httpx.post(
+        base + door, content=b"{}", headers={"content-type": "application/json"}
+    )
+    assert not_a_form.json()["error"]["code"] == "invalid_request"
+    assert recorder.received == []
+
+
 def test_a_named_engine_refuses_a_body_on_a_path_it_does_not_list(engine_app):
     _, recorder, base = engine_app
     recorder.received.clear()
-    answer = _send(base, "POST", "/not-a-door", CASES["chat"][3])
+    answer = send_case(base, "POST", "/not-a-door", CASES["chat"][3])
     assert answer.status_code == 404
     assert answer.json()["error"]["code"] == "not_found"
     assert recorder.received == []
@@ -334,11 +405,11 @@ def test_no_engine_named_passes_other_paths_and_judges_every_engines_doors(monke
     app.add_middleware(ModalGate)
     with serve(app) as base:
         fault, code, param, clean = CASES["anthropic"]
-        refused = _send(base, "POST", "/v1/messages", fault).json()
+        refused = send_case(base, "POST", "/v1/messages", fault).json()
         assert (refused["type"], refused["error"]["code"], refused["error"]["param"]) == (
             "error",
             code,
             param,
         )
-        assert _send(base, "POST", "/not-a-door", clean).status_code == 200
+        assert send_case(base, "POST", "/not-a-door", clean).status_code == 200
         assert recorder.received == [("POST", "/not-a-door", orjson.dumps(clean))]

@@ -1,7 +1,7 @@
 """The engines' other doors through ``modalgate serve --engine vllm`` in front of the toy
 upstream, asked by the official SDKs: the ``anthropic`` SDK on the Messages API (its
 refusals in Anthropic's envelope, raised as ``BadRequestError``), the ``openai`` SDK on
-reranking and on a door the gate refuses. A refused request never reaches the upstream;
+reranking and on audio uploads. A refused request never reaches the upstream;
 a clean one reaches it byte for byte.
 """
 
@@ -13,12 +13,14 @@ import anthropic
 import openai
 import orjson
 import pytest
+from av_media import make_audio
 
 from conftest import b64, image_bytes, serve
 from gateway_proc import GatewayProcess
 from toy_upstream import ToyUpstream
 
 PNG = image_bytes("PNG", (64, 48))
+WAV = make_audio("wav", seconds=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +97,7 @@ def test_anthropic_sdk_clean_image_reaches_the_upstream_unchanged(gateway, toy):
     assert received.json()["messages"] == messages
 
 
-def test_openai_sdk_on_reranking_and_on_a_refused_door(gateway, toy):
+def test_openai_sdk_on_reranking_and_an_image_uploaded_as_audio(gateway, toy):
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
     video = {"type": "video_url", "video_url": {"url": "https://example.com/clip.mp4"}}
     rerank = {"model": "kimi-k3", "query": "cats", "documents": ["a", {"content": [video]}]}
@@ -108,7 +110,18 @@ def test_openai_sdk_on_reranking_and_on_a_refused_door(gateway, toy):
     clean = {"model": "kimi-k3", "query": "cats", "documents": ["a", "b"]}
     assert client.post("/rerank", body=clean, cast_to=object)["path"] == "/v1/rerank"
     assert [orjson.loads(r.body) for r in toy.received] == [clean]
-    with pytest.raises(openai.NotFoundError) as closed:
-        client.audio.transcriptions.create(model="kimi-k3", file=("a.wav", PNG, "audio/wav"))
-    assert closed.value.code == "not_found"
-    assert [r.path for r in toy.received] == ["/v1/rerank"]
+    toy.received.clear()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.audio.transcriptions.create(model="qwen2-audio", file=("a.wav", PNG, "audio/wav"))
+    assert (refused.value.code, refused.value.param) == ("modality_mismatch", "file")
+    assert toy.received == []
+
+
+def test_openai_sdk_uploads_a_real_wav_through_the_gate_unchanged(gateway, toy):
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    client.audio.transcriptions.with_raw_response.create(
+        model="qwen2-audio", file=("a.wav", WAV, "audio/wav")
+    )
+    [received] = toy.received
+    assert received.path == "/v1/audio/transcriptions"
+    assert WAV in received.body and b'name="model"' in received.body

@@ -23,9 +23,19 @@ from typing import Any, TypeVar
 import anyio.to_thread
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from modalgate.errors import ErrorCode, Violation, payload_too_large
+from modalgate.errors import Violation, payload_too_large
 from modalgate.gateway.gate.auth import CHALLENGE, MISSING, WRONG
 from modalgate.gateway.gate.cpu_threads import CpuThreads
+from modalgate.gateway.gate.door_checks import (
+    POST_ONLY,
+    Route,
+    closed_door,
+    has_body,
+    header_refusal,
+    last_header,
+    method_not_allowed,
+    not_a_door,
+)
 from modalgate.gateway.gate.mounted import FROM_ENV, KeyLock, engine_spec, environment, own_keys
 from modalgate.gateway.gate.outcome import GateOutcome, OutcomeObserver
 from modalgate.gateway.gate.paths import is_normal, with_normalized_path
@@ -149,7 +159,7 @@ class ModalGate:
         # enforced, and its raw_path: a request spelled so (nearly all) is routed by one
         # lookup and one comparison.
         self._routes: dict[str, Route] = {
-            where: (api, where.rstrip("/") in self.enforced_paths, where.encode("ascii"), _POST)
+            where: (api, where.rstrip("/") in self.enforced_paths, where.encode("ascii"), POST_ONLY)
             for where, api in self._given.items()
             if is_normal(where)
         }
@@ -222,10 +232,10 @@ class ModalGate:
                 await send_error(send, [route])
                 return
         if scope["method"] not in route[3]:
-            if _has_body(scope):
+            if has_body(scope):
                 # A body on another method would reach a server that reads it (SGLang takes
                 # PUT /generate) without being judged.
-                refusal = _method_not_allowed(route[3])
+                refusal = method_not_allowed(route[3])
                 self.report_early_refusal(scope["path"], refusal)
                 allow = ", ".join(sorted(route[3])).encode()
                 await send_error(send, [refusal], [(b"allow", allow)], route[0])
@@ -245,7 +255,8 @@ class ModalGate:
             await send_error(send, [refusal], CHALLENGE, api)
             return
         read_cap = self.read_cap
-        refusal = _header_refusal(scope["headers"], read_cap, self._short_lengths)
+        form = api == "audio_upload"
+        refusal = header_refusal(scope["headers"], read_cap, self._short_lengths, form)
         if refusal is not None:
             self.report_early_refusal(scope["path"], refusal, started=started)
             await send_error(send, [refusal], api=api)
@@ -261,6 +272,13 @@ class ModalGate:
             await self._too_large(send, read_cap, len(body), scope, started, api)
             return
         verdict = None
+        if form:  # judged with its boundary, off the loop: an audio probe is never cheap
+            decider = self.strict_threaded_decider if strict else self.threaded_decider
+            content_type = last_header(scope["headers"], b"content-type")
+            await self._decide(
+                scope, receive, send, api, decider, body, None, started, content_type
+            )
+            return
         if len(body) < decider.inline_below:
             if len(body) > INLINE_ANY_SHAPE_BYTES and body.count(b",") > INLINE_MAX_COMMAS:
                 decider = self.strict_threaded_decider if strict else self.threaded_decider
@@ -298,15 +316,15 @@ class ModalGate:
         if api is None:
             kind = self.endpoints.kind_of(path)
             if kind == "refuse":
-                return scope, _closed_door(path)
-            if kind is None and self.engine is not None and _has_body(scope):
-                return scope, _not_a_door(path, self.engine)
+                return scope, closed_door(path)
+            if kind is None and self.engine is not None and has_body(scope):
+                return scope, not_a_door(path, self.engine)
             if kind is None or kind in UNJUDGED:
                 return scope, None
             api = kind
             methods = self.endpoints.body_methods(path)
         else:
-            methods = _POST
+            methods = POST_ONLY
         strict = bool(self.enforced_paths) and path.rstrip("/") in self.enforced_paths
         return scope, (api, strict, None, methods)
 
@@ -324,10 +342,11 @@ class ModalGate:
         body: bytes,
         verdict: Verdict | None,
         started: float | None,
+        content_type: bytes | None = None,
     ) -> None:
         """The rest of the decision (``pipeline.Decider``), then the app or the error."""
         received = len(body)
-        decision = await decider.decide(body, api, verdict)
+        decision = await decider.decide(body, api, verdict, content_type)
         verdict = decision.verdict
         if verdict.routed_from is not None:
             send = _with_header(send, ROUTED_TO_HEADER, (verdict.model or "").encode())
@@ -488,86 +507,3 @@ def with_content_length(scope: Scope, length: int) -> list[tuple[bytes, bytes]]:
     headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-length"]
     headers.append((b"content-length", str(length).encode()))
     return headers
-
-
-_POST = frozenset({"POST"})
-
-
-def _method_not_allowed(methods: frozenset[str]) -> Violation:
-    return Violation(
-        ErrorCode.METHOD_NOT_ALLOWED,
-        f"this path takes its request body with {', '.join(sorted(methods))} only",
-    )
-
-
-# How a path is gated: its API, whether it is enforced, its raw_path where the route is
-# one of the given paths (None otherwise), the methods its body is taken on.
-Route = tuple[Api, bool, "bytes | None", frozenset[str]]
-
-
-def _closed_door(path: str) -> Violation:
-    return Violation(
-        ErrorCode.NOT_FOUND,
-        f"{path[:100]!r} carries media in a shape modalgate does not read, so it is closed"
-        " here (docs/policy.md#endpoints)",
-    )
-
-
-def _not_a_door(path: str, engine: str) -> Violation:
-    return Violation(
-        ErrorCode.NOT_FOUND,
-        f"{path[:100]!r} is not a door of {engine} that modalgate knows, so a body sent"
-        " there is not passed on (docs/policy.md#endpoints)",
-    )
-
-
-def _has_body(scope: Scope) -> bool:
-    for name, value in scope["headers"]:
-        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
-            return True
-    return False
-
-
-_BODY_HEADERS = frozenset((b"content-type", b"content-length", b"content-encoding"))
-
-
-def _header_refusal(
-    headers: Iterable[tuple[bytes, bytes]], cap: int, short: int = 0
-) -> Violation | None:
-    """What is wrong with the three headers that describe the body (the last of each
-    counts; ASGI servers send lower-case names), read in one pass over the headers.
-    A Content-Length of at most ``short`` digits is under ``cap`` without ``int``
-    (~1,100 instructions)."""
-    content_type = encoding = length = None
-    for name, value in headers:
-        if name not in _BODY_HEADERS:  # one hash lookup for the many headers that are not
-            continue
-        if name == b"content-type":
-            content_type = value
-        elif name == b"content-length":
-            length = value
-        else:
-            encoding = value
-    if content_type is not None and content_type != b"application/json":
-        main = content_type.split(b";", 1)[0].strip().lower()
-        if main != b"application/json" and not (
-            main.startswith(b"application/") and main.endswith(b"+json")
-        ):
-            shown = main.decode("latin-1")[:60]
-            return Violation(
-                ErrorCode.INVALID_REQUEST,
-                f"the request body must be JSON (Content-Type: application/json), not {shown!r}",
-            )
-    if encoding is not None and encoding.strip().lower() not in (b"identity", b""):
-        return Violation(
-            ErrorCode.INVALID_REQUEST,
-            "compressed request bodies (Content-Encoding) are not accepted",
-        )
-    if length is not None and not (len(length) <= short and length.isdigit()):
-        try:
-            declared = int(length)
-        except ValueError:
-            return Violation(ErrorCode.INVALID_REQUEST, "the Content-Length header is not a number")
-        if declared > cap:
-            return payload_too_large(cap)
-    return None

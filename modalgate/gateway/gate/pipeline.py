@@ -53,17 +53,34 @@ class Decider:
     inline_below: int = 0
 
     async def decide(
-        self, body: bytes, api: Api = "chat", verdict: Verdict | None = None
+        self,
+        body: bytes,
+        api: Api = "chat",
+        verdict: Verdict | None = None,
+        content_type: bytes | None = None,
     ) -> Decision:
         """The decision on ``body``; ``verdict``: its ``validate_body`` verdict, where the
-        caller has it already."""
+        caller has it already; ``content_type``: the body's header (a form's boundary)."""
         received = len(body)
         if verdict is None:
             verdict = await self.run_cpu(
-                received, validate_body, body, self.matcher, api, self.served, self.dialect
+                received,
+                validate_body,
+                body,
+                self.matcher,
+                api,
+                self.served,
+                self.dialect,
+                content_type,
             )
         edits: Edits = []
-        if not verdict.accepted and verdict.rule is not None and verdict.rule.fallback:
+        # A fallback rewrites the JSON body's model: a form has none to rewrite.
+        if (
+            not verdict.accepted
+            and verdict.rule is not None
+            and verdict.rule.fallback
+            and api != "audio_upload"
+        ):
             routed = await self.run_cpu(
                 received, with_fallback, verdict, self.matcher, received, self.dialect
             )
@@ -77,7 +94,7 @@ class Decider:
             # forwarded: a fallback's refusal judged the rewritten body, so where the rule
             # named (which enforces) routed it and the target refuses, that is the answer.
             if verdict.routed_from is None and may_shadow(verdict, self.enforce):
-                return await self._shadowed(verdict, body, api)
+                return await self._shadowed(verdict, body, api, content_type)
             return Decision(verdict, body)
         if verdict.remote_parts and self.media is not None:
             shadow = in_shadow_mode(verdict.rule, self.enforce)
@@ -104,7 +121,9 @@ class Decider:
             return verdict.with_violations(inlined), []
         return verdict, list(inlined)
 
-    async def _shadowed(self, verdict: Verdict, body: bytes, api: Api) -> Decision:
+    async def _shadowed(
+        self, verdict: Verdict, body: bytes, api: Api, content_type: bytes | None
+    ) -> Decision:
         """``verdict``'s refusal shadowed, once the request passes what shadow mode never
         lets through (read under the lenient policy: every part, every URL fetched);
         else refused for that first."""
@@ -117,6 +136,7 @@ class Decider:
             api,
             self.served,
             self.dialect,
+            content_type,
         )
         edits: Edits = []
         if not enforced(lenient.violations) and lenient.remote_parts and self.media is not None:
