@@ -51,6 +51,7 @@ class ResolvedRule:
     known: bool = True
     engine: EngineSpec | None = None  # the rule's own server dialect (validators/dialects.py)
     enforce: bool = True  # False: its refusals are shadowed (the rule's, else the policy's)
+    produces: frozenset[str] = frozenset({"text"})  # output modalities
 
     def fallback_for(self, modality: str) -> str | None:
         return dict(self.fallback).get(modality)
@@ -91,6 +92,7 @@ class RuleMatcher:
             limits=policy.limits,
             media_roles=frozenset(policy.media_roles),
             known=False,
+            produces=frozenset({"text", "audio"}),
             enforce=policy.enforce,
         )
         self.resolve = lru_cache(maxsize=1024)(self._resolve)
@@ -129,6 +131,7 @@ class RuleMatcher:
             fallback=tuple(sorted((best_rule.fallback or {}).items())),
             engine=best_rule.engine,
             enforce=self.policy.enforce if best_rule.enforce is None else best_rule.enforce,
+            produces=frozenset(best_rule.produces),
         )
 
 

@@ -28,6 +28,7 @@ from modalgate.settings import EngineSpec, ServerSection, upstream_root
 # Media modalities a rule can accept; text always passes.
 MediaModality = Literal["image", "video", "audio", "file", "embeddings"]
 Modality = Literal["text", "image", "video", "audio", "file", "embeddings"]
+OutputModality = Literal["text", "audio"]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 # Formats with a header reader in media.pillow (HEIF would need pillow-heif: not offered).
 ImageFormat = Literal["jpeg", "png", "webp", "gif", "bmp", "tiff", "avif", "ico"]
@@ -207,6 +208,9 @@ class ModelRule(_Strict):
     match: tuple[str, ...] = ()
     mode: str | None = None
     accepts: tuple[MediaModality, ...]
+    # What the model answers in: a request asking for anything else (``modalities``,
+    # ``audio``) is refused, where engines would answer in text alone.
+    produces: tuple[OutputModality, ...] = ("text",)
     message: str | None = None
     limits: Limits | None = None
     media_roles: tuple[Role, ...] | None = None

@@ -83,6 +83,9 @@ Api = JudgedKind
 # OpenAI's and Anthropic's APIs require a model; SGLang's /generate has no such field,
 # tokenize and the pooling doors make it optional.
 _MODEL_REQUIRED = frozenset({"chat", "responses", "completions", "anthropic"})
+# Bodies whose top-level ``modalities`` and ``audio`` ask for output (SGLang's native
+# ``modalities`` is an input hint: not these).
+_ASKS_OUTPUT = frozenset({"chat", "chat_batch", "responses", "invocations"})
 # Bodies whose ``messages`` are not a chat conversation (read by their own walk).
 _OWN_MESSAGES = frozenset({"anthropic", "chat_batch"})
 
@@ -251,6 +254,10 @@ def validate_request(
         reader = OPENAI
     else:
         reader = _dialect_of(rule, dialect)
+    if api in _ASKS_OUTPUT and ("modalities" in request or "audio" in request):
+        output = _output_violation(request, rule, judged_as or named)
+        if output is not None:
+            return _refused(output, matcher, request, body_size, api, named, rule, judged_as)
     if api == "chat" and _plain_chat(request, reader):
         return accepted(matcher.mode, named, rule, request, api, judged_as, body_size or 0)
     verdict = VerdictBuilder(matcher.mode, named, request, api, body_size or 0, rule, judged_as)
@@ -288,6 +295,32 @@ def validate_request(
     if not verdict.violations:
         verdict.violations.extend(budget_violations(verdict.parts, rule))
     return verdict.build()
+
+
+def _output_violation(
+    request: dict[str, Any], rule: ResolvedRule, name: str | None
+) -> Violation | None:
+    """Output the model cannot produce: OpenAI's ``modalities`` and ``audio`` (the voice to
+    answer in). vLLM and SGLang take both and answer in text anyway."""
+    produces = ", ".join(sorted(rule.produces))
+    who = (name or "this model")[:100]
+    modalities = request.get("modalities")
+    if isinstance(modalities, list):
+        for i, modality in enumerate(modalities):
+            if isinstance(modality, str) and modality not in rule.produces:
+                where = path("modalities", i)
+                return Violation(
+                    ErrorCode.UNSUPPORTED_MODALITY,
+                    f"{where}: {who} cannot produce {modality[:40]} output (produces: {produces})",
+                    where,
+                )
+    if request.get("audio") is not None and "audio" not in rule.produces:
+        return Violation(
+            ErrorCode.UNSUPPORTED_MODALITY,
+            f"audio: {who} cannot produce audio output (produces: {produces})",
+            "audio",
+        )
+    return None
 
 
 def _plain_chat(request: dict[str, Any], reader: Dialect) -> bool:

@@ -125,3 +125,16 @@ def test_openai_sdk_uploads_a_real_wav_through_the_gate_unchanged(gateway, toy):
     [received] = toy.received
     assert received.path == "/v1/audio/transcriptions"
     assert WAV in received.body and b'name="model"' in received.body
+
+
+def test_openai_sdk_asking_a_text_model_to_speak(gateway, toy):
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="kimi-k3",
+            messages=[{"role": "user", "content": "say hi"}],
+            modalities=["text", "audio"],
+            audio={"voice": "alloy", "format": "wav"},
+        )
+    assert (refused.value.code, refused.value.param) == ("unsupported_modality", "modalities.[1]")
+    assert toy.received == []
