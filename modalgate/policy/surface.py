@@ -35,9 +35,10 @@ JudgedKind = Literal[
     "audio_upload",
 ]
 # ``forward``: no media, passed on unread; ``admin``: an engine's control path, never
-# forwarded by the proxy; ``refuse``: media in a shape the gate does not read, refused.
-EndpointKind = Literal[JudgedKind, "forward", "admin", "refuse"]
-UNJUDGED: frozenset[str] = frozenset({"forward", "admin", "refuse"})
+# forwarded by the proxy; ``refuse``: media in a shape the gate does not read, refused;
+# ``realtime``: the realtime websocket, its events judged as they come.
+EndpointKind = Literal[JudgedKind, "forward", "admin", "refuse", "realtime"]
+UNJUDGED: frozenset[str] = frozenset({"forward", "admin", "refuse", "realtime"})
 # Kinds a proxy never forwards.
 CLOSED: frozenset[str] = frozenset({"admin", "refuse"})
 Engine = Literal["vllm", "sglang", "openai"]

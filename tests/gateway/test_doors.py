@@ -19,6 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.sync.client import connect
 
 from conftest import b64, data_url, image_bytes, serve
 from modalgate import ModalGate
@@ -261,19 +263,25 @@ class Recorder:
             if not door.endswith("/*")
         ]
         routes.append(Route("/not-a-door", self._door, methods=["POST"]))
-        routes.append(WebSocketRoute("/v1/realtime", _realtime))
+        routes.append(Route("/closed", self._door, methods=["POST"]))
+        routes.append(WebSocketRoute("/v1/realtime", self._realtime))
+        routes.append(WebSocketRoute("/closed", self._realtime))
         return Starlette(routes=routes)
+
+    async def _realtime(self, websocket: WebSocket) -> None:
+        """Records each event it hears and answers it, until the client (or gate) closes."""
+        await websocket.accept()
+        while True:
+            message = await websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            self.received.append(("WEBSOCKET", websocket.url.path, message["text"].encode()))
+            await websocket.send_text("heard")
 
     async def _door(self, request: Request) -> JSONResponse:
         body = await request.body()
         self.received.append((request.method, request.url.path, body))
         return JSONResponse({"door": request.url.path})
-
-
-async def _realtime(websocket: WebSocket) -> None:  # pragma: no cover - must not be reached
-    await websocket.accept()
-    await websocket.send_text("reached")
-    await websocket.close()
 
 
 @contextlib.contextmanager
@@ -283,7 +291,10 @@ def mounted(
     """The recorder behind ``ModalGate(app)``, set up by the environment alone: the engine,
     and a policy file whose default model judges bodies that name none (Vertex's)."""
     policy = tmp_path_factory.mktemp("policy") / "policy.yaml"
-    policy.write_text("extends: builtin\ndefault_model: kimi-k3\n", encoding="utf-8")
+    policy.write_text(
+        "extends: builtin\ndefault_model: kimi-k3\nendpoints: {/closed: refuse}\n",
+        encoding="utf-8",
+    )
     monkeypatch.setenv("MODALGATE_ENGINE", engine)
     monkeypatch.setenv("MODALGATE_POLICY", str(policy))
     recorder = Recorder()
@@ -351,14 +362,91 @@ def test_each_door_passes_a_clean_body_unchanged(engine_app):
         assert recorder.received == [(method, door, sent(clean))], door
 
 
-def test_a_refused_door_never_opens_its_websocket(engine_app):
-    _, _, base = engine_app
-    from websockets.exceptions import InvalidStatus
-    from websockets.sync.client import connect
+def test_a_door_the_policy_refuses_is_closed_to_bodies_and_websockets(engine_app):
+    _, recorder, base = engine_app
+    recorder.received.clear()
+    answer = send_case(base, "POST", "/closed", CASES["chat"][3])
+    assert (answer.status_code, answer.json()["error"]["code"]) == (404, "not_found")
+    with pytest.raises(InvalidStatus) as refused:
+        connect(base.replace("http", "ws") + "/closed")
+    assert refused.value.response.status_code == 403
+    assert recorder.received == []
 
+
+def _pcm(seconds: float, rate: int) -> str:
+    return b64(b"\x00\x01" * int(seconds * rate))
+
+
+def test_realtime_refuses_a_model_that_takes_no_audio_at_the_handshake(engine_app):
+    _, recorder, base = engine_app
+    recorder.received.clear()
     with pytest.raises(InvalidStatus) as refused:
         connect(base.replace("http", "ws") + "/v1/realtime?model=kimi-k3")
-    assert refused.value.response.status_code == 403
+    answer = refused.value.response
+    error = orjson.loads(answer.body)["error"]
+    assert (answer.status_code, error["code"], error["param"]) == (
+        400,
+        "unsupported_modality",
+        "model",
+    )
+    assert recorder.received == []
+
+
+@pytest.mark.parametrize(
+    ("events", "code", "param"),
+    [
+        # The model named in the session, not the URL (vLLM's way).
+        ([{"type": "session.update", "model": "kimi-k3"}], "unsupported_modality", "model"),
+        # SGLang's and OpenAI's place for it.
+        (
+            [
+                {
+                    "type": "session.update",
+                    "session": {"audio": {"input": {"transcription": {"model": "kimi-k3"}}}},
+                }
+            ],
+            "unsupported_modality",
+            "session.audio.input.transcription.model",
+        ),
+        (
+            [{"type": "input_audio_buffer.append", "audio": "not base64!"}],
+            "invalid_base64",
+            "audio",
+        ),
+        # qwen2-audio: 30 s at most; 20 s, committed, then 20 s and 20 s more.
+        (
+            [
+                {"type": "input_audio_buffer.append", "audio": "20s"},
+                {"type": "input_audio_buffer.commit"},
+                {"type": "input_audio_buffer.append", "audio": "20s"},
+                {"type": "input_audio_buffer.append", "audio": "20s"},
+            ],
+            "media_too_large",
+            "audio",
+        ),
+    ],
+)
+def test_realtime_judges_each_event_before_the_app_hears_it(engine_app, events, code, param):
+    engine, recorder, base = engine_app
+    rate = 16_000 if engine == "vllm" else 24_000
+    recorder.received.clear()
+    with connect(base.replace("http", "ws") + "/v1/realtime?model=qwen2-audio") as socket:
+        answer: dict[str, Any] = {}
+        for event in events:
+            if event.get("audio") == "20s":
+                event = {**event, "audio": _pcm(20, rate)}
+            socket.send(orjson.dumps(event).decode())
+            heard = socket.recv()
+            if heard != "heard":
+                answer = orjson.loads(heard)
+                break
+        error = answer["error"]
+        assert (answer["type"], error["code"], error["param"]) == ("error", code, param)
+        with pytest.raises(ConnectionClosed) as closed:
+            socket.recv()
+        assert closed.value.rcvd.code == 1008
+    # The app heard every event before the refused one, and not that one.
+    assert len(recorder.received) == len(events) - 1
 
 
 def test_an_upload_is_judged_by_its_bytes_and_its_form(engine_app):
@@ -400,6 +488,7 @@ def test_a_named_engine_refuses_a_body_on_a_path_it_does_not_list(engine_app):
 
 def test_no_engine_named_passes_other_paths_and_judges_every_engines_doors(monkeypatch):
     monkeypatch.delenv("MODALGATE_ENGINE", raising=False)
+    monkeypatch.delenv("MODALGATE_POLICY", raising=False)
     recorder = Recorder()
     app = recorder.app("vllm")
     app.add_middleware(ModalGate)

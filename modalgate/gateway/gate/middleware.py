@@ -40,6 +40,7 @@ from modalgate.gateway.gate.mounted import FROM_ENV, KeyLock, engine_spec, envir
 from modalgate.gateway.gate.outcome import GateOutcome, OutcomeObserver
 from modalgate.gateway.gate.paths import is_normal, with_normalized_path
 from modalgate.gateway.gate.pipeline import Decider
+from modalgate.gateway.gate.realtime import POLICY_VIOLATION, guard_realtime
 from modalgate.gateway.gate.remote_media import MediaStage
 from modalgate.gateway.gate.send import send_error
 from modalgate.gateway.gate.shadow import SHADOW_HEADER, shadow_header
@@ -215,9 +216,15 @@ class ModalGate:
         if scope["type"] != "http":
             if scope["type"] == "lifespan":
                 send = self._closing_on_shutdown(send)
-            elif scope["type"] == "websocket" and self._closed(scope):
-                await send({"type": "websocket.close", "code": 1008})  # policy violation
-                return
+            elif scope["type"] == "websocket":
+                scope = with_normalized_path(scope)
+                kind = self.endpoints.kind_of(scope["path"])
+                if kind == "refuse":
+                    await send({"type": "websocket.close", "code": POLICY_VIOLATION})
+                    return
+                if kind == "realtime":
+                    await guard_realtime(self.app, scope, receive, send, self.matcher, self.engine)
+                    return
             await self.app(scope, receive, send)
             return
         route = self._routes.get(scope["path"])
@@ -327,10 +334,6 @@ class ModalGate:
             methods = POST_ONLY
         strict = bool(self.enforced_paths) and path.rstrip("/") in self.enforced_paths
         return scope, (api, strict, None, methods)
-
-    def _closed(self, scope: Scope) -> bool:
-        """Whether a websocket's path is a door the gate refuses (vLLM's realtime audio)."""
-        return self.endpoints.kind_of(with_normalized_path(scope)["path"]) == "refuse"
 
     async def _decide(
         self,
