@@ -36,7 +36,7 @@ from modalgate.gateway.gate.door_checks import (
     method_not_allowed,
     not_a_door,
 )
-from modalgate.gateway.gate.mounted import FROM_ENV, KeyLock, engine_spec, environment, own_keys
+from modalgate.gateway.gate.mounted import FROM_ENV, KeyLock, MountSettings, as_policy
 from modalgate.gateway.gate.outcome import GateOutcome, OutcomeObserver
 from modalgate.gateway.gate.paths import is_normal, with_normalized_path
 from modalgate.gateway.gate.pipeline import Decider
@@ -45,11 +45,11 @@ from modalgate.gateway.gate.remote_media import MediaStage
 from modalgate.gateway.gate.send import send_error
 from modalgate.gateway.gate.shadow import SHADOW_HEADER, shadow_header
 from modalgate.media.inline_work import InlineWorkExceeded, run_within
-from modalgate.policy import Policy, RuleMatcher, load_policy
+from modalgate.policy import Policy, RuleMatcher
 from modalgate.policy.endpoints import EndpointTable
 from modalgate.policy.surface import UNJUDGED, doors_for
 from modalgate.validators import Verdict, validate_body
-from modalgate.validators.dialects import Dialect, dialect_for
+from modalgate.validators.dialects import Dialect
 from modalgate.validators.request import Api, DialectOf, ServedModel
 from modalgate.validators.verdict import request_unparsed
 
@@ -122,19 +122,8 @@ class ModalGate:
 
         ``api_keys``: bearer keys a request must carry before its body is read (401
         ``invalid_api_key``); mounted in vLLM, vLLM's own keys are honoured too."""
-        given = (policy, mode, served_model, enforce, dialect, engine, api_keys)
-        if any(value is FROM_ENV for value in given):
-            loaded = None if policy is FROM_ENV else _as_policy(policy)
-            env_policy, settings = environment(loaded)
-            policy = env_policy if policy is FROM_ENV else loaded
-            mode = settings.mode if mode is FROM_ENV else mode
-            served_model = settings.served_model if served_model is FROM_ENV else served_model
-            enforce = (None if settings.enforce else False) if enforce is FROM_ENV else enforce
-            engine = settings.engine if engine is FROM_ENV else engine
-            if dialect is FROM_ENV:
-                spec = engine_spec(settings.model_copy(update={"engine": engine}))
-                dialect = dialect_for(spec) if spec is not None else None
-            api_keys = own_keys(settings) if api_keys is FROM_ENV else api_keys
+        given = MountSettings(policy, mode, served_model, enforce, dialect, engine, api_keys)
+        policy, mode, served_model, enforce, dialect, engine, api_keys = given.completed()
         self.lock = KeyLock(api_keys)
         self.app = app
         self.engine = engine
@@ -164,7 +153,7 @@ class ModalGate:
             for where, api in self._given.items()
             if is_normal(where)
         }
-        self.set_policy(_as_policy(policy), mode)
+        self.set_policy(as_policy(policy), mode)
 
     def set_policy(self, policy: Policy, mode: str | None = None) -> None:
         """Swap the policy atomically: a request in flight keeps the matcher it started with."""
@@ -469,10 +458,6 @@ class ModalGate:
         if self._threads is None:
             self._threads = CpuThreads(self.validation_threads)
         return await self._threads.run(function, *args)
-
-
-def _as_policy(policy: Policy | str | PathLike[str] | None) -> Policy:
-    return policy if isinstance(policy, Policy) else load_policy(policy)
 
 
 def get_verdict(scope: Scope) -> Verdict | None:

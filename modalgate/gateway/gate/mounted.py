@@ -19,6 +19,8 @@ from __future__ import annotations
 import hmac
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from os import PathLike
 from typing import Any
 
 from starlette.types import Scope
@@ -26,6 +28,7 @@ from starlette.types import Scope
 from modalgate.gateway.gate.auth import bearer_token, configured_keys
 from modalgate.policy import Policy, load_policy
 from modalgate.settings import EngineSpec, GatewaySettings, load_settings, policy_location
+from modalgate.validators.dialects import dialect_for
 
 
 class FromEnvironment:
@@ -40,6 +43,50 @@ FROM_ENV: Any = FromEnvironment()
 # vLLM's AuthenticationMiddleware guards these prefixes only (its GUARDED_PREFIX,
 # vllm/entrypoints/serve/middleware/authenticate.py), and never OPTIONS.
 VLLM_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+
+
+@dataclass(frozen=True, slots=True)
+class MountSettings:
+    """``ModalGate``'s arguments as given; ``FROM_ENV`` where left out."""
+
+    policy: Any
+    mode: Any
+    served_model: Any
+    enforce: Any
+    dialect: Any
+    engine: Any
+    api_keys: Any
+
+    def completed(self) -> tuple[Any, ...]:
+        """The arguments with each one left out read from the environment (flags win over
+        variables, variables over the policy file's ``server:`` section, as in serve)."""
+        given = tuple(getattr(self, f.name) for f in fields(self))  # as given: no copies
+        if not any(value is FROM_ENV for value in given):
+            return given
+        loaded = None if self.policy is FROM_ENV else as_policy(self.policy)
+        env_policy, settings = environment(loaded)
+
+        def chosen(value: Any, from_env: Any) -> Any:
+            return from_env if value is FROM_ENV else value
+
+        engine = chosen(self.engine, settings.engine)
+        dialect = self.dialect
+        if dialect is FROM_ENV:
+            spec = engine_spec(settings.model_copy(update={"engine": engine}))
+            dialect = dialect_for(spec) if spec is not None else None
+        return (
+            env_policy if self.policy is FROM_ENV else loaded,
+            chosen(self.mode, settings.mode),
+            chosen(self.served_model, settings.served_model),
+            chosen(self.enforce, None if settings.enforce else False),
+            dialect,
+            engine,
+            own_keys(settings) if self.api_keys is FROM_ENV else self.api_keys,
+        )
+
+
+def as_policy(policy: Policy | str | PathLike[str] | None) -> Policy:
+    return policy if isinstance(policy, Policy) else load_policy(policy)
 
 
 def environment(policy: Policy | None = None) -> tuple[Policy, GatewaySettings]:
