@@ -417,6 +417,15 @@ class ModalGate:
         self.report_early_refusal(scope["path"], refusal, size, started)
         await send_error(send, [refusal], api=api)
 
+    def judges(self, method: str, path: str) -> bool:
+        """Whether a request with ``method`` on ``path`` (normalised) has its body judged
+        (SGLang's PUT doors too)."""
+        if self.api_of(path) is None:
+            return False
+        where = path.rstrip("/") or "/"
+        methods = POST_ONLY if where in self._given else self.endpoints.body_methods(where)
+        return method.upper() in methods
+
     def api_of(self, path: str) -> Api | None:
         """How a (normalised) path's body is read; None: not gated here."""
         where = path.rstrip("/") or "/"

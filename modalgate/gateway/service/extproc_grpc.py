@@ -135,7 +135,7 @@ class _Exchange:
                     self.spoofed.append(key)
                 headers.append((name, value))
         self.scope = client_scope(method, path, headers)
-        judged = method.upper() == "POST" and self.gateway.gate.api_of(self.scope["path"])
+        judged = self.gateway.gate.judges(method, self.scope["path"])
         if message.end_of_stream or not judged:
             decision = await judge(self.gateway.app, self.scope, b"")
             if not decision.allowed:

