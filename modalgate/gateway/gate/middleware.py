@@ -40,7 +40,11 @@ from modalgate.gateway.gate.mounted import FROM_ENV, KeyLock, MountSettings, as_
 from modalgate.gateway.gate.outcome import GateOutcome, OutcomeObserver
 from modalgate.gateway.gate.paths import is_normal, with_normalized_path
 from modalgate.gateway.gate.pipeline import Decider
-from modalgate.gateway.gate.realtime import POLICY_VIOLATION, guard_realtime
+from modalgate.gateway.gate.realtime import (
+    POLICY_VIOLATION,
+    guard_realtime,
+    realtime_handshake_refusal,
+)
 from modalgate.gateway.gate.remote_media import MediaStage
 from modalgate.gateway.gate.send import send_error
 from modalgate.gateway.gate.shadow import SHADOW_HEADER, shadow_header
@@ -313,6 +317,8 @@ class ModalGate:
             kind = self.endpoints.kind_of(path)
             if kind == "refuse":
                 return scope, closed_door(path)
+            if kind == "realtime":  # the upgrade as Envoy's ext_authz and ext_proc see it
+                return scope, realtime_handshake_refusal(scope, self.matcher, self.engine)
             if kind is None and self.engine is not None and has_body(scope):
                 return scope, not_a_door(path, self.engine)
             if kind is None or kind in UNJUDGED:

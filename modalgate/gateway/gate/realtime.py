@@ -30,9 +30,7 @@ async def guard_realtime(
     matcher: RuleMatcher,
     engine: str | None,
 ) -> None:
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-    model = query.get("model", [None])[-1]
-    session = RealtimeSession.opened(matcher, model, engine)
+    session = _session(scope, matcher, engine)
     refusal = session.handshake_refusal()
     if refusal is not None:
         await _refuse_handshake(scope, receive, send, refusal)
@@ -57,6 +55,21 @@ async def guard_realtime(
         return {"type": "websocket.disconnect", "code": POLICY_VIOLATION}
 
     await app(scope, judged, send)
+
+
+def _session(scope: Scope, matcher: RuleMatcher, engine: str | None) -> RealtimeSession:
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    return RealtimeSession.opened(matcher, query.get("model", [None])[-1], engine)
+
+
+def realtime_handshake_refusal(
+    scope: Scope, matcher: RuleMatcher, engine: str | None
+) -> Violation | None:
+    """The handshake as an HTTP request (a ``GET`` with ``Upgrade: websocket``, as Envoy's
+    ext_authz and ext_proc are asked about it): refused where the URL names a model that
+    takes no audio. The frames that follow are not seen there: only a gate mounted in the
+    engine's app judges them."""
+    return _session(scope, matcher, engine).handshake_refusal()
 
 
 async def _refuse_handshake(scope: Scope, receive: Receive, send: Send, refusal: Violation) -> None:

@@ -94,3 +94,28 @@ def test_every_door_is_judged_inside_envoy(envoy, upstream):
         answer = send_case(url, method, door, clean)
         assert answer.status_code == 200, (method, door, answer.text)
         assert recorder.received == [(method, door, sent(clean))], (method, door)
+
+
+def test_the_realtime_door_inside_envoy(envoy, upstream):
+    """The deploy configs enable no websocket upgrade: Envoy refuses one itself (403) and
+    the model server never sees it. The handshake's model is judged where Envoy asks
+    (an operator who enables upgrades gets that; the frames after it are not seen)."""
+    url, _ = envoy
+    recorder, _ = upstream
+    recorder.received.clear()
+    upgrade = {
+        "connection": "upgrade",
+        "upgrade": "websocket",
+        "sec-websocket-version": "13",
+        "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ==",
+    }
+    answer = httpx.get(url + "/v1/realtime?model=qwen2-audio", headers=upgrade, timeout=30)
+    assert answer.status_code == 403
+    answer = httpx.get(url + "/v1/realtime?model=kimi-k3", timeout=30)
+    error = answer.json()["error"]
+    assert (answer.status_code, error["code"], error["param"]) == (
+        400,
+        "unsupported_modality",
+        "model",
+    )
+    assert recorder.received == []
