@@ -502,3 +502,22 @@ def test_no_engine_named_passes_other_paths_and_judges_every_engines_doors(monke
         )
         assert send_case(base, "POST", "/not-a-door", clean).status_code == 200
         assert recorder.received == [("POST", "/not-a-door", orjson.dumps(clean))]
+
+
+def test_the_gates_own_keys_from_the_environment_lock_the_doors(monkeypatch):
+    """``MODALGATE_API_KEYS`` read by ``ModalGate(app)``: a body without a key is never
+    read (401), with one it is judged."""
+    monkeypatch.delenv("MODALGATE_POLICY", raising=False)
+    monkeypatch.setenv("MODALGATE_ENGINE", "vllm")
+    monkeypatch.setenv("MODALGATE_API_KEYS", "door-key")
+    recorder = Recorder()
+    app = recorder.app("vllm")
+    app.add_middleware(ModalGate)
+    fault, code, param, _ = CASES["score"]
+    with serve(app) as base:
+        for key in (None, "wrong"):
+            answer = send_case(base, "POST", "/score", fault, key)
+            assert (answer.status_code, answer.json()["error"]["code"]) == (401, "invalid_api_key")
+        error = send_case(base, "POST", "/score", fault, "door-key").json()["error"]
+        assert (error["code"], error["param"]) == (code, param)
+    assert recorder.received == []

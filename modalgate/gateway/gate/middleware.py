@@ -248,12 +248,14 @@ class ModalGate:
         api, strict, _, _ = route
         decider = self.strict_decider if strict else self.decider
         started = time.perf_counter() if self.on_outcome is not None else None
-        locked = self.lock.refuses(scope)
-        if locked is not None:
-            refusal = WRONG if locked else MISSING
-            self.report_early_refusal(scope["path"], refusal, started=started)
-            await send_error(send, [refusal], CHALLENGE, api)
-            return
+        # Keys: the gate's own, or an engine app's (mounted in vLLM: ``scope["app"]``).
+        if self.lock.keys or "app" in scope:
+            locked = self.lock.refuses(scope)
+            if locked is not None:
+                refusal = WRONG if locked else MISSING
+                self.report_early_refusal(scope["path"], refusal, started=started)
+                await send_error(send, [refusal], CHALLENGE, api)
+                return
         read_cap = self.read_cap
         form = api == "audio_upload"
         refusal = header_refusal(scope["headers"], read_cap, self._short_lengths, form)

@@ -124,11 +124,14 @@ class KeyLock:
         self._engine_keys: dict[int, tuple[bytes, ...]] = {}
 
     def refuses(self, scope: Scope) -> bool | None:
-        """None: open; False: a key was missing; True: a key was wrong."""
+        """None: open; False: a key was missing; True: a key was wrong. With no keys of
+        its own and none of the engine's (nearly always), the headers are not read."""
+        engine = self.engine_keys(scope)
+        if not self.keys and not engine:
+            return None
         token = bearer_token(scope["headers"])
         if self.keys and not _any_matches(token, self.keys):
             return token is not None
-        engine = self.engine_keys(scope)
         if engine and _vllm_guards(scope) and not _any_matches(token, engine):
             return token is not None
         return None
