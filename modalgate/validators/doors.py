@@ -1,6 +1,7 @@
-"""The engines' doors besides chat and responses whose bodies carry content parts in
-shapes of their own: batch chat, scoring and reranking, Cohere's embed v2, pooling and
-classify, token-in generation, SageMaker's ``/invocations``.
+"""The engines' doors besides chat and responses whose bodies carry media in shapes of
+their own: batch chat, scoring and reranking, Cohere's embed v2, pooling and classify,
+token-in generation, SageMaker's ``/invocations``, SGLang's Vertex door, the decision
+doors' URL lists, Ollama's base64 images.
 
 Each reader was written from the engine's own request models (vLLM 0.33.0's
 ``entrypoints/**/protocol.py``, SGLang 0.5.23's ``openai/protocol.py``); each medium
@@ -10,7 +11,6 @@ part, so the same fault gets the same code wherever it is sent.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from modalgate.errors import MAX_LISTED_VIOLATIONS, ErrorCode, Violation, path
@@ -21,8 +21,6 @@ from modalgate.validators.endpoints import walk_completions, walk_generate, walk
 from modalgate.validators.messages import read_content_part, walk_messages
 from modalgate.validators.parts import with_url
 from modalgate.validators.verdict import PartDraft, VerdictBuilder
-
-Walk = Callable[[dict[str, Any], ResolvedRule, VerdictBuilder, Dialect], None]
 
 # vLLM's ScoreContentPartParam: the part types a scoring input's ``content`` may hold.
 _SCORE_PART_TYPES = frozenset({"text", "image_url", "image_embeds", "video_url"})
@@ -87,10 +85,10 @@ def _score_parts(
     content: list[Any], where: str, rule: ResolvedRule, verdict: VerdictBuilder, dialect: Dialect
 ) -> None:
     for k, part in enumerate(content):
-        if not isinstance(part, dict) and not isinstance(part, str):
-            continue  # token ids
+        if not isinstance(part, dict):
+            continue  # text or token ids
         at = path(where, k)
-        kind = part.get("type") if isinstance(part, dict) else None
+        kind = part.get("type")
         if isinstance(kind, str) and kind not in _SCORE_PART_TYPES:
             verdict.violations.append(
                 Violation(
@@ -101,8 +99,7 @@ def _score_parts(
                 )
             )
             continue
-        if isinstance(part, dict):
-            read_content_part(part, at, "user", rule, verdict, dialect)
+        read_content_part(part, at, "user", rule, verdict, dialect)
 
 
 def _overrides(request: dict[str, Any], rule: ResolvedRule, verdict: VerdictBuilder) -> None:
@@ -167,7 +164,7 @@ def walk_token_in(
     request: dict[str, Any], rule: ResolvedRule, verdict: VerdictBuilder, dialect: Dialect
 ) -> None:
     """vLLM's token-in ``/inference/v1/generate``: precomputed multimodal ``features``
-    (processor outputs, by modality) or raw ``content_parts`` (read as chat parts)."""
+    (processor outputs, by modality) or raw ``content_parts`` (flat URL parts)."""
     parts = request.get("content_parts")
     if isinstance(parts, list):
         for i, part in enumerate(parts):

@@ -72,12 +72,13 @@ def read_form(body: bytes, content_type: bytes | None) -> dict[str, Any] | Viola
         header[0] = header[1] = b""
 
     def on_headers_finished() -> None:
-        disposition, params = parse_options_header(headers.get(b"content-disposition", b""))
+        # As Starlette reads it: the name and filename parameters, whatever the disposition.
+        _, params = parse_options_header(headers.get(b"content-disposition", b""))
         part = parts[-1]
-        if disposition == b"form-data" and b"name" in params:
-            part.name = params[b"name"].decode("latin-1")
+        if b"name" in params:
+            part.name = _decoded(params[b"name"])
         if b"filename" in params:
-            part.filename = params[b"filename"].decode("latin-1")
+            part.filename = _decoded(params[b"filename"])
         if b"content-type" in headers:
             part.content_type = headers[b"content-type"].decode("latin-1")
 
@@ -101,13 +102,21 @@ def read_form(body: bytes, content_type: bytes | None) -> dict[str, Any] | Viola
     return _fields(parts)
 
 
+def _decoded(value: bytes) -> str:
+    """Starlette's ``_user_safe_decode``: UTF-8, else Latin-1."""
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return value.decode("latin-1")
+
+
 def _fields(parts: list[FormPart]) -> dict[str, Any] | Violation:
     if len(parts) > MAX_FIELDS:
         return Violation(ErrorCode.INVALID_REQUEST, f"more than {MAX_FIELDS} form fields")
     fields: dict[str, Any] = {}
     for part in parts:
         if part.name is None:
-            continue  # Starlette skips a part without a name
+            continue  # Starlette refuses a part without a name; the engine answers it
         if part.name in fields:
             return invalid("a form field may be sent once", part.name[:60])
         data = b"".join(part.chunks)
