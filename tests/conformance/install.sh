@@ -7,14 +7,17 @@
 #   CONFORMANCE_VENV=/tmp/v bash tests/conformance/install.sh
 #
 # Needs CPython 3.11 (SGLang ships cp311 wheels only for this release), network
-# access to PyPI, ~2.5 GiB of disk; takes about 3 minutes on 2 cores. torch is
-# the CPU wheel where pip finds one (find-links); elsewhere pip brings PyPI's
-# default build with its CUDA libraries (several GiB more, same behaviour).
+# access to PyPI, ~7 GiB of disk (torch and torchvision are the CUDA build: they run on
+# the CPU); takes about 4 minutes on 2 cores, less where pip finds torch on local disk.
 set -euo pipefail
 
 VLLM_VERSION=0.33.0
 SGLANG_VERSION=0.5.23
-TORCH_VERSION=2.13.0
+TORCH_VERSION=2.14.1
+# SGLang's app imports torchvision at module level (sglang.srt.multimodal.internvl_utils);
+# PyPI's torchvision does not load beside the CPU torch 2.13.0 build: this is the pair
+# that loads here (a CUDA build, ~5.5 GB, run on the CPU).
+TORCHVISION_VERSION=0.29.1
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -36,8 +39,9 @@ pip() {
 
 # The engines, without a single one of their declared dependencies.
 pip install --no-deps "vllm==$VLLM_VERSION" "sglang==$SGLANG_VERSION"
-# torch with its own dependencies (vLLM's chat parsing imports it at module level).
-pip install "torch==$TORCH_VERSION"
+# torch with its own dependencies (vLLM's chat parsing imports it at module level), and
+# torchvision for SGLang's app (tests/conformance/test_sglang_mounted.py).
+pip install "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
 # The rest, pinned, exactly as listed.
 pip install --no-deps -r "$HERE/requirements.txt"
 
