@@ -60,7 +60,7 @@ def walk_anthropic(request: dict[str, Any], rule: ResolvedRule, verdict: Verdict
             verdict.violations.append(invalid("each message must be an object", where))
             continue
         role = message.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             problem = "must be one of assistant, system, user"
             verdict.violations.append(invalid(f"'role' {problem}", path(where, "role")))
             continue
@@ -83,18 +83,19 @@ def _blocks(
             verdict.violations.append(invalid("each content block must be an object", at))
             continue
         kind = block.get("type")
-        if kind in _MEDIA_BLOCKS:
+        if not isinstance(kind, str):
+            verdict.violations.append(invalid("'type' must be a string", path(at, "type")))
+        elif kind in _MEDIA_BLOCKS:
             _media_block(block, at, role, _MEDIA_BLOCKS[kind], rule, verdict)
         elif kind == "tool_result":
             content = block.get("content")
             if role == "user" and isinstance(content, list):
                 _tool_result(content, path(at, "content"), rule, verdict)
         elif kind not in _TEXT_BLOCKS:
-            shown = kind[:40] if isinstance(kind, str) else kind
             verdict.violations.append(
                 Violation(
                     ErrorCode.UNSUPPORTED_CONTENT_TYPE,
-                    f"{path(at, 'type')}: unknown content block type {shown!r}",
+                    f"{path(at, 'type')}: unknown content block type {kind[:40]!r}",
                     path(at, "type"),
                 )
             )
@@ -105,8 +106,9 @@ def _tool_result(
 ) -> None:
     """A user's tool result: its images become a message of their own downstream."""
     for k, item in enumerate(content):
-        if isinstance(item, dict) and item.get("type") in _MEDIA_BLOCKS:
-            modality = _MEDIA_BLOCKS[item["type"]]
+        kind = item.get("type") if isinstance(item, dict) else None
+        if isinstance(kind, str) and kind in _MEDIA_BLOCKS:
+            modality = _MEDIA_BLOCKS[kind]
             _media_block(item, path(where, k), "tool", modality, rule, verdict)
 
 

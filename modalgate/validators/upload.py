@@ -11,6 +11,7 @@ judging a file the model never hears.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,9 @@ from modalgate.validators.dialects import Dialect
 from modalgate.validators.verdict import PartDraft, VerdictBuilder
 
 MAX_FIELDS = 1000  # Starlette's own limits on a form's parts
+# python-multipart logs a warning for each malformed form before it raises: a client could
+# fill the gateway's log with them. The refusal (400, counted, logged once) says it all.
+logging.getLogger("python_multipart.multipart").setLevel(logging.ERROR)
 UPLOAD_FIELD = "file"
 
 
