@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 from gateway.test_doors import CASES, judged_doors, send_case
 
 from conformance.differential import ENGINE_PYTHON, ROOT
+from conformance.engine_app import serving
 from conftest import free_port
 
 pytestmark = pytest.mark.skipif(
@@ -32,46 +31,12 @@ def sglang_server(tmp_path_factory) -> Iterator[str]:
     folder = tmp_path_factory.mktemp("sglang")
     policy = folder / "policy.yaml"
     policy.write_text("extends: builtin\ndefault_model: kimi-k3\n", encoding="utf-8")
-    log = folder / "server.log"
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "MODALGATE_ENGINE": "sglang",
-        "MODALGATE_POLICY": str(policy),
-    }
-    command = [
-        str(ENGINE_PYTHON),
-        "-m",
-        "uvicorn",
-        "modalgate.gateway.sglang:app",  # SGLANG_HTTP_SERVER_APP_PATH, as the launcher sets it
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workers",
-        "2",
-        "--lifespan",
-        "off",
-        "--log-level",
-        "warning",
-    ]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"SGLang's app did not start:\n{log.read_text()}")
-            try:
-                httpx.get(base + "/model_info", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+    env = {"MODALGATE_ENGINE": "sglang", "MODALGATE_POLICY": str(policy)}
+    # The app path SGLANG_HTTP_SERVER_APP_PATH names, as the launcher sets it.
+    uvicorn = ["-m", "uvicorn", "modalgate.gateway.sglang:app", "--port", str(port)]
+    flags = ["--workers", "2", "--lifespan", "off", "--log-level", "warning"]
+    with serving([*uvicorn, *flags], env, "/model_info", folder / "server.log", port) as base:
         yield base
-    finally:
-        process.terminate()
-        process.wait(20)
 
 
 def test_every_sglang_door_refuses_the_fault_in_every_worker(sglang_server):

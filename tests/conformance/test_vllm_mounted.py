@@ -8,9 +8,6 @@ fetch.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -19,6 +16,7 @@ import pytest
 from gateway.test_doors import CASES, judged_doors, send_case
 
 from conformance.differential import ENGINE_PYTHON, ROOT
+from conformance.engine_app import serving
 from conftest import free_port, image_part
 
 pytestmark = pytest.mark.skipif(
@@ -32,40 +30,12 @@ KEY = "vllm-key"
 def vllm_server(tmp_path_factory) -> Iterator[str]:
     port = free_port()
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "MODALGATE_ENGINE": "vllm",
-    }
-    command = [
-        str(ENGINE_PYTHON),
-        str(ROOT / "tests" / "conformance" / "vllm_app.py"),
-        str(port),
-        "--model",
-        "kimi-k3",
-        "--middleware",
-        "modalgate.ModalGate",
-        "--api-key",
-        KEY,
-    ]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM's app did not start:\n{log.read_text()}")
-            try:
-                httpx.get(base + "/version", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    app = str(ROOT / "tests" / "conformance" / "vllm_app.py")
+    args = [app, str(port), "--model", "kimi-k3", "--middleware", "modalgate.ModalGate"]
+    env = {"MODALGATE_ENGINE": "vllm"}
+    with serving([*args, "--api-key", KEY], env, "/version", log, port) as base:
         assert "middleware, outermost first: ModalGate," in log.read_text()
         yield base
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 def _post(base: str, path: str, payload: object, key: str | None = KEY) -> httpx.Response:
