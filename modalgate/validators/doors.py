@@ -17,7 +17,12 @@ from modalgate.errors import MAX_LISTED_VIOLATIONS, ErrorCode, Violation, path
 from modalgate.policy.matching import ResolvedRule
 from modalgate.validators.admission import admit, invalid
 from modalgate.validators.dialects import Dialect
-from modalgate.validators.endpoints import walk_completions, walk_generate, walk_pooling_input
+from modalgate.validators.endpoints import (
+    admit_embeddings,
+    walk_completions,
+    walk_generate,
+    walk_pooling_input,
+)
 from modalgate.validators.messages import read_content_part, walk_messages
 from modalgate.validators.parts import with_url
 from modalgate.validators.verdict import PartDraft, VerdictBuilder
@@ -105,7 +110,7 @@ def _score_parts(
 def _overrides(request: dict[str, Any], rule: ResolvedRule, verdict: VerdictBuilder) -> None:
     for field in _SGLANG_OVERRIDES:
         if request.get(field) is not None:
-            _embeddings(field, field, rule, verdict)
+            admit_embeddings(field, field, rule, verdict)
 
 
 def walk_embed_v2(
@@ -122,12 +127,7 @@ def walk_embed_v2(
             if not isinstance(image, str):
                 verdict.violations.append(invalid("must be a data URL string", where))
                 continue
-            media = PartDraft(
-                param=where, part_type="image", modality="image", role="user", source="url"
-            )
-            media.type_param = where
-            media.inlinable = True
-            admit(with_url(media, image, where), rule, verdict)
+            _admit_url(image, where, where, "image", "image", rule, verdict)
     inputs = request.get("inputs")
     if isinstance(inputs, list):
         for i, item in enumerate(inputs):
@@ -142,6 +142,25 @@ def walk_embed_v2(
                 if len(verdict.violations) >= MAX_LISTED_VIOLATIONS:
                     return
                 read_content_part(part, path(where, "content", k), "user", rule, verdict, dialect)
+
+
+def _admit_url(
+    url: str,
+    url_at: str,
+    where: str,
+    part_type: str,
+    modality: str,
+    rule: ResolvedRule,
+    verdict: VerdictBuilder,
+    type_at: str | None = None,
+) -> None:
+    """A URL or data URL standing alone where a part goes: fetched bytes inline in its place."""
+    media = PartDraft(
+        param=where, part_type=part_type, modality=modality, role="user", source="url"
+    )
+    media.type_param = type_at or where
+    media.inlinable = True
+    admit(with_url(media, url, url_at), rule, verdict)
 
 
 def walk_pooling(
@@ -211,17 +230,19 @@ def _flat_part(part: Any, where: str, rule: ResolvedRule, verdict: VerdictBuilde
     modality = _FLAT_PART_TYPES.get(kind) if isinstance(kind, str) else None
     if modality is None:
         return
-    media = PartDraft(param=where, part_type=kind, modality=modality, role="user", source="url")
-    media.type_param = path(where, "type")
     url = part.get("url")
     if url is None and part.get("uuid") is not None:  # an item the engine cached before
-        media.source, media.payload_param = "cached", path(where, "url")
+        media = PartDraft(
+            param=where, part_type=kind, modality=modality, role="user", source="cached"
+        )
+        media.type_param, media.payload_param = path(where, "type"), path(where, "url")
         admit(media, rule, verdict)
     elif not isinstance(url, str):
         verdict.violations.append(invalid("must be a URL or data URL string", path(where, "url")))
     else:
-        media.inlinable = True
-        admit(with_url(media, url, path(where, "url")), rule, verdict)
+        _admit_url(
+            url, path(where, "url"), where, kind, modality, rule, verdict, path(where, "type")
+        )
 
 
 def _feature(
@@ -245,15 +266,7 @@ def _feature(
         media.type_param = at
         admit(media, rule, verdict)  # refused for its modality, with the rule's message
         return
-    _embeddings(at, "features", rule, verdict)
-
-
-def _embeddings(where: str, field: str, rule: ResolvedRule, verdict: VerdictBuilder) -> None:
-    part = PartDraft(
-        param=where, part_type=field, modality="embeddings", role="user", source="embeds"
-    )
-    part.payload_param = part.type_param = where
-    admit(part, rule, verdict)
+    admit_embeddings(at, "features", rule, verdict)
 
 
 def walk_vertex(
@@ -298,12 +311,7 @@ def walk_media_lists(
             if not isinstance(url, str):
                 verdict.violations.append(invalid("must be a URL or data URL string", url_at))
                 continue
-            media = PartDraft(
-                param=where, part_type=field, modality=modality, role="user", source="url"
-            )
-            media.type_param = where
-            media.inlinable = True
-            admit(with_url(media, url, url_at), rule, verdict)
+            _admit_url(url, url_at, where, field, modality, rule, verdict)
 
 
 def walk_ollama(

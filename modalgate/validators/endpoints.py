@@ -41,7 +41,7 @@ def walk_completions(request: dict[str, Any], rule: ResolvedRule, verdict: Verdi
         if not isinstance(item, str):
             verdict.violations.append(invalid("must be a base64 string", where))
             continue
-        _embeddings(where, "prompt_embeds", rule, verdict)
+        admit_embeddings(where, "prompt_embeds", rule, verdict)
 
 
 def walk_pooling_input(
@@ -99,7 +99,7 @@ def walk_generate(
                 )
     if request.get("input_embeds") is not None:
         where = path(root, "input_embeds") if root else "input_embeds"
-        _embeddings(where, "input_embeds", rule, verdict)
+        admit_embeddings(where, "input_embeds", rule, verdict)
 
 
 def _flattened(value: Any, where: str) -> Iterator[tuple[str, Any]]:
@@ -125,7 +125,8 @@ def _media_string(
     admit(with_url(part, value, where, bare_base64=not is_url), rule, verdict)
 
 
-def _embeddings(where: str, field: str, rule: ResolvedRule, verdict: VerdictBuilder) -> None:
+def admit_embeddings(where: str, field: str, rule: ResolvedRule, verdict: VerdictBuilder) -> None:
+    """Client embeddings at ``where``: admitted only where the rule accepts ``embeddings``."""
     part = PartDraft(
         param=where, part_type=field, modality="embeddings", role="user", source="embeds"
     )
