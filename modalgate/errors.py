@@ -39,6 +39,8 @@ class ErrorCode(str, Enum):
     MEDIA_TOO_SMALL = "media_too_small"
     URL_NOT_ALLOWED = "url_not_allowed"
     MEDIA_FETCH_FAILED = "media_fetch_failed"
+    UNKNOWN_MEDIA_ID = "unknown_media_id"
+    MEDIA_ID_NOT_ALLOWED = "media_id_not_allowed"
     ENCODER_OVERLOADED = "encoder_overloaded"
     ENCODER_ERROR = "encoder_error"
     UPSTREAM_UNAVAILABLE = "upstream_unavailable"
@@ -77,6 +79,8 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.MEDIA_TOO_SMALL: 400,
     ErrorCode.URL_NOT_ALLOWED: 400,
     ErrorCode.MEDIA_FETCH_FAILED: 400,
+    ErrorCode.UNKNOWN_MEDIA_ID: 400,
+    ErrorCode.MEDIA_ID_NOT_ALLOWED: 400,
     ErrorCode.ENCODER_OVERLOADED: 503,
     ErrorCode.ENCODER_ERROR: 500,
     ErrorCode.UPSTREAM_UNAVAILABLE: 502,

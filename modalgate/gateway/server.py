@@ -30,6 +30,7 @@ from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import Multiprocess
 
 from modalgate.gateway.app import Gateway, StartupError, create_app
+from modalgate.gateway.gate.media_ids import deployment_secret
 from modalgate.gateway.http_protocol import ServeHttpProtocol
 from modalgate.gateway.observability.logs import uvicorn_log_config
 from modalgate.gateway.observability.metrics import MULTIPROC_DIR_VARIABLE
@@ -56,6 +57,7 @@ def run_workers(settings: GatewaySettings) -> bool:
     with tempfile.TemporaryDirectory(prefix="modalgate-metrics-") as metrics_dir:
         os.environ.update(settings_environment(settings))
         os.environ[MULTIPROC_DIR_VARIABLE] = metrics_dir  # read as the workers import
+        deployment_secret()  # drawn here if not given: every worker binds media ids alike
         config = uvicorn.Config(
             f"{__name__}:worker_app", factory=True, workers=settings.workers, **_options(settings)
         )

@@ -5,6 +5,7 @@ from modalgate.policy.matching import ResolvedRule, RuleMatcher
 from modalgate.policy.models import (
     EmbedsSpec,
     Limits,
+    MediaIds,
     MediaUrls,
     ModelRule,
     Policy,
@@ -15,6 +16,7 @@ from modalgate.policy.models import (
 __all__ = [
     "EmbedsSpec",
     "Limits",
+    "MediaIds",
     "MediaUrls",
     "ModelRule",
     "Policy",

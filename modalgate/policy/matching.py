@@ -22,6 +22,7 @@ from functools import lru_cache
 from modalgate.policy.models import (
     EmbedsSpec,
     Limits,
+    MediaIdMode,
     ModelRule,
     Policy,
     Role,
@@ -52,6 +53,7 @@ class ResolvedRule:
     engine: EngineSpec | None = None  # the rule's own server dialect (validators/dialects.py)
     enforce: bool = True  # False: its refusals are shadowed (the rule's, else the policy's)
     produces: frozenset[str] = frozenset({"text"})  # output modalities
+    media_ids: MediaIdMode = "bind"  # how client media ids reach the server (policy.models)
 
     def fallback_for(self, modality: str) -> str | None:
         return dict(self.fallback).get(modality)
@@ -94,6 +96,7 @@ class RuleMatcher:
             known=False,
             produces=frozenset({"text", "audio"}),
             enforce=policy.enforce,
+            media_ids=policy.media_ids.mode,
         )
         self.resolve = lru_cache(maxsize=1024)(self._resolve)
 
@@ -132,6 +135,7 @@ class RuleMatcher:
             engine=best_rule.engine,
             enforce=self.policy.enforce if best_rule.enforce is None else best_rule.enforce,
             produces=frozenset(best_rule.produces),
+            media_ids=best_rule.media_ids or self.policy.media_ids.mode,
         )
 
 

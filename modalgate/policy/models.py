@@ -164,6 +164,35 @@ class MediaUrls(_Strict):
         return tuple(h.lower().rstrip(".") for h in hosts)
 
 
+# How a media part's client-chosen id (vLLM's ``uuid``, a token-in ``mm_hashes`` entry)
+# reaches the engine, whose caches key on it (docs/security.md#media-ids):
+# bind: derived from the tenant, the id and the bytes the gate checked;
+# share: derived from the bytes alone (tenants sending identical bytes share a key);
+# strip: dropped (the engine keys the media by its content; a reference by id alone is
+# refused); refuse: a part with an id is refused (where the body cannot be rewritten:
+# Envoy's ext_authz); pass: as the client sent it (one trusted client).
+MediaIdMode = Literal["bind", "share", "strip", "refuse", "pass"]
+
+
+class MediaIds(_Strict):
+    """Client-chosen media ids: how they are rewritten, and what the gateway remembers so a
+    tenant may refer to media it sent before by id alone (``docs/security.md``)."""
+
+    mode: MediaIdMode = "bind"
+    # The header an authenticating proxy in front sets to name the tenant; None: the
+    # bearer key names it (no key: one tenant). A client must not be able to set it.
+    tenant_header: str | None = Field(None, min_length=1, pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+    # What the gateway remembers of the media it passed on (per process, LRU):
+    remember_entries: int = Field(100_000, ge=0)
+    remember_bytes: int = Field(64 * 1024 * 1024, ge=0)
+    remember_seconds: float = Field(3600.0, gt=0)
+
+    @field_validator("tenant_header")
+    @classmethod
+    def _lower_header(cls, name: str | None) -> str | None:
+        return name.lower() if name is not None else None
+
+
 # The policy file's ``server:`` section: derived from the one settings model.
 Server = ServerSection
 
@@ -230,6 +259,8 @@ class ModelRule(_Strict):
     # False: shadow mode for this model (refusals logged, counted, forwarded); None: the
     # policy's top-level ``enforce`` (docs/policy.md#shadow-mode-enforce).
     enforce: bool | None = None
+    # How this model's media ids reach its server; None: the policy's ``media_ids.mode``.
+    media_ids: MediaIdMode | None = None
 
     @field_validator("engine", mode="before")
     @classmethod
@@ -299,6 +330,7 @@ class Policy(_Strict):
     limits: Limits = Limits()
     media_roles: tuple[Role, ...] = ("user", "tool")
     media_urls: MediaUrls = MediaUrls()
+    media_ids: MediaIds = MediaIds()
     server: Server = Server()
     # Paths the gateway forwards and how each body is judged; ``/prefix/*`` covers a subtree.
     endpoints: dict[str, EndpointSpec] = Field(default_factory=lambda: dict(DEFAULT_ENDPOINTS))

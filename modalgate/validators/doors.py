@@ -153,13 +153,17 @@ def _admit_url(
     rule: ResolvedRule,
     verdict: VerdictBuilder,
     type_at: str | None = None,
+    media_id: str | None = None,
 ) -> None:
-    """A URL or data URL standing alone where a part goes: fetched bytes inline in its place."""
+    """A URL or data URL standing alone where a part goes: fetched bytes inline in its place;
+    ``media_id``: the ``uuid`` beside it (vLLM's token-in parts)."""
     media = PartDraft(
         param=where, part_type=part_type, modality=modality, role="user", source="url"
     )
     media.type_param = type_at or where
     media.inlinable = True
+    if media_id is not None:
+        media.media_id, media.id_param = media_id, path(where, "uuid")
     admit(with_url(media, url, url_at), rule, verdict)
 
 
@@ -217,7 +221,10 @@ def walk_token_in(
             if len(verdict.violations) >= MAX_LISTED_VIOLATIONS:
                 return
             data = tensors[i] if isinstance(tensors, list) and i < len(tensors) else None
-            _feature(modality, where, i, data, rule, verdict)
+            if not isinstance(items[i], str):
+                verdict.violations.append(invalid("must be a string", path(where, i)))
+                continue
+            _feature(modality, where, i, data, items[i], rule, verdict)
 
 
 def _flat_part(part: Any, where: str, rule: ResolvedRule, verdict: VerdictBuilder) -> None:
@@ -230,23 +237,31 @@ def _flat_part(part: Any, where: str, rule: ResolvedRule, verdict: VerdictBuilde
     modality = _FLAT_PART_TYPES.get(kind) if isinstance(kind, str) else None
     if modality is None:
         return
-    url = part.get("url")
-    if url is None and part.get("uuid") is not None:  # an item the engine cached before
+    url, media_id = part.get("url"), part.get("uuid")
+    if media_id is not None and not isinstance(media_id, str):
+        verdict.violations.append(invalid("'uuid' must be a string", path(where, "uuid")))
+    elif url is None and media_id is not None:  # an item the engine cached before
         media = PartDraft(
             param=where, part_type=kind, modality=modality, role="user", source="cached"
         )
         media.type_param, media.payload_param = path(where, "type"), path(where, "url")
+        media.media_id, media.id_param = media_id, path(where, "uuid")
         admit(media, rule, verdict)
     elif not isinstance(url, str):
         verdict.violations.append(invalid("must be a URL or data URL string", path(where, "url")))
     else:
-        _admit_url(
-            url, path(where, "url"), where, kind, modality, rule, verdict, path(where, "type")
-        )
+        at = (where, kind, modality)
+        _admit_url(url, path(where, "url"), *at, rule, verdict, path(where, "type"), media_id)
 
 
 def _feature(
-    modality: str, where: str, index: int, data: Any, rule: ResolvedRule, verdict: VerdictBuilder
+    modality: str,
+    where: str,
+    index: int,
+    data: Any,
+    media_hash: str,
+    rule: ResolvedRule,
+    verdict: VerdictBuilder,
 ) -> None:
     """One precomputed item: its modality must be one the model takes, and its tensors are
     client embeddings (``accepts: [embeddings]``, as vLLM's ``--enable-mm-embeds``). An
@@ -257,6 +272,7 @@ def _feature(
             param=at, part_type="features", modality=modality, role="user", source="cached"
         )
         media.type_param = media.payload_param = at
+        media.media_id, media.id_param = media_hash, at
         admit(media, rule, verdict)
         return
     if modality not in rule.accepts:
@@ -266,7 +282,15 @@ def _feature(
         media.type_param = at
         admit(media, rule, verdict)  # refused for its modality, with the rule's message
         return
-    admit_embeddings(at, "features", rule, verdict)
+    media = PartDraft(
+        param=at, part_type="features", modality="embeddings", role="user", source="embeds"
+    )
+    # The tensors sit apart from their hash; ``format`` names the modality they stand for
+    # (what a later reference to the hash must claim).
+    media.type_param, media.format = at, modality
+    media.payload_param = path("features", "kwargs_data", modality, index)
+    media.media_id, media.id_param = media_hash, at
+    admit(media, rule, verdict)
 
 
 def walk_vertex(

@@ -100,6 +100,13 @@ def walk_generate(
     if request.get("input_embeds") is not None:
         where = path(root, "input_embeds") if root else "input_embeds"
         admit_embeddings(where, "input_embeds", rule, verdict)
+    for field in _GENERATE_HASHES:
+        if request.get(field) is not None:
+            verdict.names_by_hash(path(root, field) if root else field)
+
+
+# SGLang's caller-supplied media hashes: ``mm_hashes`` is never checked against the bytes.
+_GENERATE_HASHES = ("mm_hashes", "mm_content_hashes")
 
 
 def _flattened(value: Any, where: str) -> Iterator[tuple[str, Any]]:

@@ -15,7 +15,7 @@ from modalgate.errors import MAX_LISTED_VIOLATIONS, Violation, path
 from modalgate.policy.matching import ResolvedRule
 from modalgate.validators.admission import admit, invalid
 from modalgate.validators.dialects import EMBEDS_MODALITY, OPENAI, Dialect
-from modalgate.validators.parts import part_type_of, read_part
+from modalgate.validators.parts import PART_KINDS, part_type_of, read_part
 from modalgate.validators.verdict import VerdictBuilder
 from modalgate.validators.vllm_union import message_path
 
@@ -184,6 +184,9 @@ def read_content_part(
         return
     read.type_param = typed.param
     admit(read, rule, verdict)
+    payload = part.get(PART_KINDS[typed.name].key)
+    if isinstance(payload, dict) and "content_hash" in payload:  # SGLang's, on image_url
+        verdict.names_by_hash(path(where, PART_KINDS[typed.name].key, "content_hash"))
 
 
 def check_mm_kwargs(request: dict[str, Any], dialect: Dialect, verdict: VerdictBuilder) -> None:

@@ -178,9 +178,14 @@ def read_part(
     media = PartDraft(
         param=where, part_type=part_type, modality=kind.modality, role=role, source="url"
     )
-    if value is None and typed.by_key and part.get("uuid") is not None and kind.key in part:
-        media.source, media.payload_param = "cached", key_param  # vLLM's cached-media reference
-        return media
+    media_id = part.get("uuid")
+    if media_id is not None and dialect.uuid != "ignored":  # an id the engine keys caches on
+        if not isinstance(media_id, str):
+            return _bad("'uuid' must be a string", path(where, "uuid"))
+        media.media_id, media.id_param = media_id, path(where, "uuid")
+        if value is None and typed.by_key and kind.key in part:
+            media.source, media.payload_param = "cached", key_param  # vLLM's cached reference
+            return media
     at = _PartAt(typed, part, value, where, key_param, dialect)
     return _SHAPE_READERS[kind.shape](media, at)
 

@@ -56,6 +56,10 @@ class MediaPart:
     inlinable: bool = False
     # The base64 text (or the body's bytes of it: ``json_body.payloads_aside``), until decoded.
     payload: str | memoryview | None = field(default=None, repr=False)
+    # The client's id for the media (vLLM's ``uuid``), and where it sits: the engine's
+    # caches key on it, so the gate rewrites it (``gateway/gate/media_ids.py``).
+    media_id: str | None = None
+    id_param: str | None = None
 
     @property
     def payload_at(self) -> str:
@@ -132,6 +136,9 @@ class Verdict:
     # default_model, or the model its upstream really serves.
     judged_as: str | None = None
     body_bytes: int = 0  # the body as received, where validation was given its size
+    # Where the body names media by a hash an engine trusts without a tenant (SGLang's
+    # ``content_hash``, ``mm_content_hashes``, ``mm_hashes``): dropped unless ids pass.
+    hash_params: tuple[str, ...] = ()
 
     @property
     def accepted(self) -> bool:
@@ -189,6 +196,8 @@ class PartDraft:
     data: bytes | None = field(default=None, repr=False)
     inlinable: bool = False
     payload: str | memoryview | None = field(default=None, repr=False)
+    media_id: str | None = None
+    id_param: str | None = None
 
     @property
     def payload_at(self) -> str:
@@ -245,6 +254,12 @@ class VerdictBuilder:
     unsupported: set[str] = field(init=False, default_factory=set)
     # Media kept, by modality, where the rule limits their count (``admission.admit``).
     counts: dict[str, int] | None = field(init=False, default=None)
+    hash_params: list[str] | None = field(init=False, default=None)  # Verdict.hash_params
+
+    def names_by_hash(self, param: str) -> None:
+        if self.hash_params is None:
+            self.hash_params = []
+        self.hash_params.append(param)
 
     def build(self) -> Verdict:
         verdict = _OpenVerdict()
@@ -259,6 +274,7 @@ class VerdictBuilder:
         verdict.api = self.api
         verdict.judged_as = self.judged_as
         verdict.body_bytes = self.body_bytes
+        verdict.hash_params = tuple(self.hash_params) if self.hash_params else ()
         verdict.__class__ = Verdict
         return verdict
 
@@ -301,6 +317,25 @@ class _UnparsedVerdict(Verdict):
         return self == other
 
 
+def amended(verdict: Verdict, **changes: Any) -> Verdict:
+    """``dataclasses.replace`` for a verdict, keeping a request not parsed yet unparsed
+    (``replace`` reads every field, and so would parse the whole body)."""
+    copy = _OpenVerdict()
+    for name in _VERDICT_FIELDS:
+        if name in changes:
+            value = changes[name]
+        elif name == "request":
+            value = _request_slot.__get__(verdict, Verdict)
+        else:
+            value = getattr(verdict, name)
+        setattr(copy, name, value)
+    copy.__class__ = type(verdict) if "request" not in changes else Verdict
+    return copy
+
+
+_VERDICT_FIELDS = tuple(f.name for f in fields(Verdict))
+
+
 def request_unparsed(verdict: Verdict) -> bool:
     """Whether reading ``verdict.request`` will parse the body first (a big body's worth)."""
     return type(verdict) is _UnparsedVerdict
@@ -337,6 +372,7 @@ def accepted(
     verdict.api = api
     verdict.judged_as = judged_as
     verdict.body_bytes = body_bytes
+    verdict.hash_params = ()
     verdict.__class__ = Verdict
     return verdict
 

@@ -36,6 +36,7 @@ from modalgate.gateway.gate.door_checks import (
     method_not_allowed,
     not_a_door,
 )
+from modalgate.gateway.gate.media_ids import MediaIdentity
 from modalgate.gateway.gate.mounted import FROM_ENV, KeyLock, MountSettings, as_policy
 from modalgate.gateway.gate.outcome import GateOutcome, OutcomeObserver
 from modalgate.gateway.gate.paths import is_normal, with_normalized_path
@@ -157,6 +158,7 @@ class ModalGate:
             for where, api in self._given.items()
             if is_normal(where)
         }
+        self.identity: MediaIdentity | None = None
         self.set_policy(as_policy(policy), mode)
 
     def set_policy(self, policy: Policy, mode: str | None = None) -> None:
@@ -172,6 +174,12 @@ class ModalGate:
         surface = doors_for(self.engine, listed) if self.engine else policy.endpoints
         self.endpoints = EndpointTable(surface)
         self.media = MediaStage(policy.media_urls)
+        # The memory of media ids outlives a policy swap, as the engine's caches do.
+        self.identity = (
+            self.identity.with_settings(policy.media_ids)
+            if self.identity is not None
+            else MediaIdentity(policy.media_ids)
+        )
         # One object per policy: a request in flight keeps the one it started with.
         self.decider = Decider(
             self.matcher,
@@ -181,6 +189,7 @@ class ModalGate:
             self.enforce,
             self.dialect,
             inline_below=self.thread_threshold,
+            identity=self.identity,
         )
         self.strict_decider = replace(self.decider, enforce=True)
         # For a small body of many values: every step in the threads, whatever its size.
@@ -346,7 +355,7 @@ class ModalGate:
     ) -> None:
         """The rest of the decision (``pipeline.Decider``), then the app or the error."""
         received = len(body)
-        decision = await decider.decide(body, api, verdict, content_type)
+        decision = await decider.decide(body, api, verdict, content_type, scope["headers"])
         verdict = decision.verdict
         if verdict.routed_from is not None:
             send = _with_header(send, ROUTED_TO_HEADER, (verdict.model or "").encode())

@@ -10,9 +10,11 @@ In shadow mode (``shadow.py``) a refusal the policy covers goes on anyway, repor
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from modalgate.errors import Violation
+from modalgate.gateway.gate.media_ids import MediaIdentity
 from modalgate.gateway.gate.remote_media import MediaStage, RunCpu, run_inline
 from modalgate.gateway.gate.shadow import enforced, in_shadow_mode, lenient_matcher, may_shadow
 from modalgate.policy import RuleMatcher
@@ -51,6 +53,8 @@ class Decider:
     # Bodies under this many bytes may be validated by the caller on the spot, without
     # ``run_cpu`` (the middleware does, with its own threshold): 0, never.
     inline_below: int = 0
+    # Client media ids rebound to the caller and the bytes (media_ids.py); None: as sent.
+    identity: MediaIdentity | None = None
 
     async def decide(
         self,
@@ -58,9 +62,11 @@ class Decider:
         api: Api = "chat",
         verdict: Verdict | None = None,
         content_type: bytes | None = None,
+        headers: Iterable[tuple[bytes, bytes]] = (),
     ) -> Decision:
         """The decision on ``body``; ``verdict``: its ``validate_body`` verdict, where the
-        caller has it already; ``content_type``: the body's header (a form's boundary)."""
+        caller has it already; ``content_type``: the body's header (a form's boundary);
+        ``headers``: the request's, which name the caller whose media ids are bound."""
         received = len(body)
         if verdict is None:
             verdict = await self.run_cpu(
@@ -94,19 +100,40 @@ class Decider:
             # forwarded: a fallback's refusal judged the rewritten body, so where the rule
             # named (which enforces) routed it and the target refuses, that is the answer.
             if verdict.routed_from is None and may_shadow(verdict, self.enforce):
-                return await self._shadowed(verdict, body, api, content_type)
+                return await self._shadowed(verdict, body, api, content_type, headers)
             return Decision(verdict, body)
         if verdict.remote_parts and self.media is not None:
             shadow = in_shadow_mode(verdict.rule, self.enforce)
             verdict, inlined = await self._fetched(verdict, shadow)
             edits += inlined
         shadowed = may_shadow(verdict, self.enforce)
+        bound = await self._bound(verdict, headers) if verdict.accepted or shadowed else None
+        if isinstance(bound, Verdict):  # an id that cannot go on: never shadowed
+            return Decision(bound, body)
+        if bound is not None:
+            verdict, id_edits = bound
+            edits += id_edits
         if (verdict.accepted or shadowed) and edits:
             # Only the edited values change; every other byte's meaning, numbers included,
             # goes on as the client sent it.
             grown = received + sum(p.inlined_size() for p in verdict.remote_parts)
             body = await self.run_cpu(grown, rewrite_json_body, body, edits)
         return Decision(verdict, body, shadowed)
+
+    async def _bound(
+        self, verdict: Verdict, headers: Iterable[tuple[bytes, bytes]]
+    ) -> tuple[Verdict, Edits] | Verdict | None:
+        """The verdict with its media ids bound and the edits writing them; a verdict
+        refused for an id; None where no part carries one (nearly always)."""
+        if self.identity is None or (
+            not verdict.hash_params and all(part.media_id is None for part in verdict.parts)
+        ):
+            return None
+        tenant = self.identity.tenant_of(headers)
+        bound, edits = await self.identity.bind(verdict, tenant, self.run_cpu)
+        if bound.violations != verdict.violations:
+            return bound
+        return bound, edits
 
     async def _fetched(self, verdict: Verdict, shadow: bool) -> tuple[Verdict, Edits]:
         """``verdict`` once its remote media are fetched and checked, and the edits that
@@ -122,7 +149,12 @@ class Decider:
         return verdict, list(inlined)
 
     async def _shadowed(
-        self, verdict: Verdict, body: bytes, api: Api, content_type: bytes | None
+        self,
+        verdict: Verdict,
+        body: bytes,
+        api: Api,
+        content_type: bytes | None,
+        headers: Iterable[tuple[bytes, bytes]],
     ) -> Decision:
         """``verdict``'s refusal shadowed, once the request passes what shadow mode never
         lets through (read under the lenient policy: every part, every URL fetched);
@@ -142,6 +174,12 @@ class Decider:
         if not enforced(lenient.violations) and lenient.remote_parts and self.media is not None:
             lenient, edits = await self._fetched(lenient, shadow=True)
         refusal = enforced(lenient.violations)
+        if not refusal:
+            bound = await self._bound(lenient, headers)
+            if isinstance(bound, Verdict):
+                refusal = enforced(bound.violations)
+            elif bound is not None:
+                edits += bound[1]
         if refusal:
             return Decision(replace(verdict, violations=(*refusal, *verdict.violations)), body)
         if edits:

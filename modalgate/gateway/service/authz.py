@@ -15,10 +15,11 @@ request's route before the check answered; the filter's ``clear_route_cache: tru
 (deploy/envoy/envoy.yaml) makes it pick again on the headers the check set.
 
 What cannot happen here, since ext_authz carries headers but never a new body:
-a fallback's ``model`` rewrite, the embeds rewrite, and inlining fetched media.
-Rules with fallbacks or embeds are refused at start and on reload
-(``authz_problems``); remote media are still fetched and checked when the policy
-says so, but the model server downloads them again (``authz_policy``).
+a fallback's ``model`` rewrite, the embeds rewrite, inlining fetched media, and
+rebinding media ids. Rules with fallbacks or embeds are refused at start and on
+reload (``authz_problems``); remote media are still fetched and checked when the
+policy says so, but the model server downloads them again, and a part carrying a
+media id is refused unless the policy lets ids ``pass`` (``authz_policy``).
 docs/envoy.md has the Envoy configuration.
 """
 
@@ -160,8 +161,18 @@ def own_upstream_problem(rule_name: str) -> str:
 
 def authz_policy(policy: Policy) -> Policy:
     """``policy`` as a decision service applies it: fetched media are checked, not
-    inlined, since the body Envoy forwards is the client's own."""
-    if not policy.media_urls.inline_fetched:
-        return policy
-    media_urls = policy.media_urls.model_copy(update={"inline_fetched": False})
-    return policy.model_copy(update={"media_urls": media_urls})
+    inlined, since the body Envoy forwards is the client's own; for the same reason a
+    media id cannot be rebound, so a part with one is refused unless ids ``pass``."""
+    updates: dict[str, object] = {}
+    if policy.media_urls.inline_fetched:
+        updates["media_urls"] = policy.media_urls.model_copy(update={"inline_fetched": False})
+    if policy.media_ids.mode != "pass":
+        updates["media_ids"] = policy.media_ids.model_copy(update={"mode": "refuse"})
+    if any(rule.media_ids not in (None, "pass", "refuse") for rule in policy.models):
+        updates["models"] = tuple(
+            rule.model_copy(update={"media_ids": "refuse"})
+            if rule.media_ids not in (None, "pass", "refuse")
+            else rule
+            for rule in policy.models
+        )
+    return policy.model_copy(update=updates) if updates else policy

@@ -152,7 +152,8 @@ async def rewrite_to_embeds(
     ]
     if problems:
         return Embedded(problems, [])
-    uuids = [_uuid(container[index]) for container, index in slots]
+    # The id the gate bound (``gate/media_ids.py``), never the client's own.
+    uuids = [part.media_id for part in images]
     embedded = await anyio.to_thread.run_sync(_build_parts, results, uuids, spec)
     places = [location_of(part.param) for part in images]
     return Embedded([], list(zip(places, embedded, strict=True)))
@@ -230,11 +231,6 @@ def _problem(result: Encoded, part: MediaPart, spec: EmbedsSpec) -> Violation | 
     return Violation(
         ErrorCode.ENCODER_ERROR, f"{param}: the encoder's output does not fit this model", param
     )
-
-
-def _uuid(part: dict[str, Any]) -> str | None:
-    uuid = part.get("uuid")
-    return uuid if isinstance(uuid, str) else None
 
 
 def _build_parts(
