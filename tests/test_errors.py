@@ -139,6 +139,8 @@ limits: {max_image_tokens: 4096, max_request_image_tokens: 8192}
 """
 QWEN = "Qwen/Qwen2.5-VL-7B-Instruct"
 TEXT = {"type": "text", "text": "what is in this picture?"}
+# vLLM's reference to media cached under a client's id: a uuid, no payload.
+REFERENCE = {"type": "image_url", "image_url": None, "uuid": "photo-1"}
 VIDEO = {"type": "video_url", "video_url": {"url": "https://example.com/clip.mp4"}}
 AUDIO = {"type": "input_audio", "input_audio": {"data": b64(WAV_BYTES), "format": "wav"}}
 
@@ -222,6 +224,12 @@ class Lab:
         elif name == "resetting":  # the upstream dies after two tokens of a stream
             toy = ToyUpstream(behaviour=Behaviour(tokens=5, reset_after=2))
             app = create_app(policy=None, upstream=self.stack.enter_context(serve(toy.app())))
+        elif name == "stripping":  # media ids dropped, references refused
+            policy = "extends: builtin\nmedia_ids: {mode: strip}"
+            app = create_app(policy=parse_policy(policy, fmt="yaml"))
+        elif name == "refusing":  # media ids refused, as behind Envoy's ext_authz
+            policy = "extends: builtin\nmedia_ids: {mode: refuse}"
+            app = create_app(policy=parse_policy(policy, fmt="yaml"))
         elif name == "locked":  # a validation service that asks for a bearer key
             app = create_app(settings=GatewaySettings(api_keys="right-key"))
         elif name == "encoder":
@@ -418,6 +426,12 @@ EXAMPLES: dict[str, list[Producer]] = {
             chat(TEXT, image_part("https://nonexistent.invalid/cat.png")),
         ),
     ],
+    "unknown_media_id": [
+        lambda lab: lab.send("plain", "POST", "/v1/chat/completions", chat(TEXT, REFERENCE)),
+    ],
+    "media_id_not_allowed": [
+        lambda lab: lab.send("stripping", "POST", "/v1/chat/completions", chat(TEXT, REFERENCE)),
+    ],
     "encoder_overloaded": [
         lambda lab: lab.send(
             "encoder-full", "POST", "/v1/encode", chat(TEXT, image_part(data_url(image_bytes())))
@@ -538,6 +552,17 @@ MESSAGES: list[tuple[str, str, Producer]] = [
         "method_not_allowed",
         "/v1/validate answers POST only",
         lambda lab: lab.send("plain", "GET", "/v1/validate"),
+    ),
+    (
+        "media_id_not_allowed",
+        "media ids and hashes are not passed on here (this gateway cannot rewrite them to ids"
+        " bound to the caller and the bytes); send the media without them",
+        lambda lab: lab.send(
+            "refusing",
+            "POST",
+            "/v1/chat/completions",
+            chat({**image_part(data_url(image_bytes())), "uuid": "photo-1"}),
+        ),
     ),
     (
         "invalid_api_key",
