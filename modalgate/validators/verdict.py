@@ -60,6 +60,8 @@ class MediaPart:
     # caches key on it, so the gate rewrites it (``gateway/gate/media_ids.py``).
     media_id: str | None = None
     id_param: str | None = None
+    # BLAKE3 of ``data``, taken where the bytes were checked, for a part with an id.
+    digest: bytes | None = field(default=None, repr=False)
 
     @property
     def payload_at(self) -> str:
@@ -198,6 +200,7 @@ class PartDraft:
     payload: str | memoryview | None = field(default=None, repr=False)
     media_id: str | None = None
     id_param: str | None = None
+    digest: bytes | None = field(default=None, repr=False)
 
     @property
     def payload_at(self) -> str:

@@ -80,3 +80,18 @@ def test_a_request_vllm_would_refuse_for_its_key_is_not_judged(vllm_server):
     answer = _post(vllm_server, "/score", fault, key=None)
     error = answer.json()["error"]
     assert (answer.status_code, error["code"], error["param"]) == (400, code, param)
+
+
+def test_inside_vllm_a_reference_to_an_id_this_key_never_sent_is_refused(vllm_server):
+    """vLLM would look the id up in its cache and serve whoever filled it: the gate in its
+    app answers first, for the one key vLLM was given as for any other."""
+    reference = {"type": "image_url", "image_url": None, "uuid": "someone-elses-photo"}
+    request = {"model": "kimi-k3", "messages": [{"role": "user", "content": [reference]}]}
+    for door in ("/v1/chat/completions", "/v1/chat/completions/render", "/tokenize"):
+        answer = _post(vllm_server, door, request)
+        error = answer.json()["error"]
+        assert (answer.status_code, error["code"], error["param"]) == (
+            400,
+            "unknown_media_id",
+            "messages.[0].content.[0].uuid",
+        ), door

@@ -24,7 +24,6 @@ import os
 import secrets
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any
 
 import blake3
 import orjson
@@ -120,9 +119,11 @@ class MediaIdentity:
             where = [parts[i].id_param or parts[i].param for i in references]
             return _refused(verdict, where, _STRIP_MESSAGE), []
         fills = [i for i in named if parts[i].source != "cached"]
-        digests: dict[int, bytes] = await run_cpu(
-            sum(parts[i].bytes or 0 for i in fills), _digests, verdict, fills
-        )
+        # Taken as the bytes were checked, nearly always; client tensors are digested here.
+        digests = {i: parts[i].digest for i in fills if parts[i].digest is not None}
+        undigested = [i for i in fills if i not in digests and parts[i].source == "embeds"]
+        if undigested:
+            digests.update(await run_cpu(verdict.body_bytes, _digests, verdict, undigested))
         # Hashes an engine would trust whoever sent them: it computes its own instead.
         edits: Edits = [(location_of(param), Unset) for param in verdict.hash_params]
         made: dict[str, Remembered] = {}  # this request's own fills, by client id
@@ -224,20 +225,15 @@ def _id_edits(part: MediaPart, key: str | None) -> Edits:
 
 
 def _digests(verdict: Verdict, indexes: list[int]) -> dict[int, bytes]:
-    """BLAKE3 of what each part carries: its checked bytes, or for client tensors (which
-    the gate does not decode) their JSON as sent, keys sorted; none for a URL not fetched
-    or a file id (the engine fetches and keys those by their content itself)."""
+    """BLAKE3 of client tensors (which the gate does not decode): their JSON as sent, keys
+    sorted. A URL not fetched or a file id has none: the engine fetches it and keys it by
+    its content itself."""
     digests: dict[int, bytes] = {}
-    request: dict[str, Any] | None = None
+    request = verdict.request
+    if request is None:
+        return digests
     for index in indexes:
-        part = verdict.parts[index]
-        if part.data is not None:
-            digests[index] = blake3.blake3(part.data, max_threads=1).digest()
-        elif part.source == "embeds":
-            request = request if request is not None else verdict.request
-            if request is None:
-                continue
-            container, key = locate(request, location_of(part.payload_at))
-            tensors = orjson.dumps(container[key], option=orjson.OPT_SORT_KEYS)
-            digests[index] = blake3.blake3(tensors).digest()
+        container, key = locate(request, location_of(verdict.parts[index].payload_at))
+        tensors = orjson.dumps(container[key], option=orjson.OPT_SORT_KEYS)
+        digests[index] = blake3.blake3(tensors).digest()
     return digests
