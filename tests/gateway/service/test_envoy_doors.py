@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import httpx
+import orjson
 import pytest
 from envoy_proc import running_envoy
 from gateway.test_doors import CASES, judged_doors, send_case, sent
@@ -23,7 +24,7 @@ from starlette.routing import Route
 from test_envoy_authz import PREFIX, envoy_config
 from test_envoy_extproc import Processor, extproc_config
 
-from conftest import free_port, serve
+from conftest import data_url, free_port, image_bytes, serve
 from gateway_proc import GatewayProcess
 
 
@@ -119,3 +120,46 @@ def test_the_realtime_door_inside_envoy(envoy, upstream):
         "model",
     )
     assert recorder.received == []
+
+
+def test_media_ids_inside_envoy(envoy, upstream, request):
+    """ext_proc rewrites each id to one bound to the caller and the bytes (two keys, two
+    ids reach the model server; a reference by another key is refused); ext_authz cannot
+    rewrite a body, so a part with an id is refused there (``media_id_not_allowed``)."""
+    url, engine = envoy
+    integration, _ = request.node.callspec.params["envoy"]
+    recorder, _ = upstream
+    photo = {"type": "image_url", "image_url": {"url": data_url(image_bytes())}, "uuid": "p"}
+    fill = {"model": "kimi-k3", "messages": [{"role": "user", "content": [photo]}]}
+    reference = {**photo, "image_url": None}
+    refer = {"model": "kimi-k3", "messages": [{"role": "user", "content": [reference]}]}
+
+    def post(body: dict, key: str) -> httpx.Response:
+        headers = {"authorization": f"Bearer {key}"}
+        return httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+    recorder.received.clear()
+    if engine == "sglang":  # SGLang reads no uuid: it goes on, and means nothing there
+        assert post(fill, "key-a").status_code == 200
+        return
+    if integration == "ext_authz":
+        answer = post(fill, "key-a")
+        error = answer.json()["error"]
+        assert (answer.status_code, error["code"], error["param"]) == (
+            400,
+            "media_id_not_allowed",
+            "messages.[0].content.[0].uuid",
+        )
+        assert recorder.received == []
+        return
+    sent_ids = []
+    for key in ("key-a", "key-b"):
+        assert post(fill, key).status_code == 200
+        (_, _, body) = recorder.received.pop()
+        sent_ids.append(orjson.loads(body)["messages"][0]["content"][0]["uuid"])
+    assert sent_ids[0] != sent_ids[1] and "p" not in sent_ids
+    answer = post(refer, "key-c")
+    assert answer.json()["error"]["code"] == "unknown_media_id"
+    assert post(refer, "key-a").status_code == 200
+    (_, _, body) = recorder.received.pop()
+    assert orjson.loads(body)["messages"][0]["content"][0]["uuid"] == sent_ids[0]
