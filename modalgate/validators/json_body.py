@@ -32,6 +32,7 @@ from typing import Any
 
 import jiter
 import orjson
+import pybase64
 
 from modalgate.errors import ErrorCode, Violation
 
@@ -183,8 +184,15 @@ class Default:
 
 def rewrite_json_body(body: bytes, replacements: Iterable[tuple[Location, Any]]) -> bytes:
     """``body`` (already validated) with the values at these locations replaced (or,
-    for ``Unset`` and ``Default``, the key removed, or set where it is missing)."""
-    tree = jiter.from_json(_without_bom(body), float_mode="lossless-float")
+    for ``Unset`` and ``Default``, the key removed, or set where it is missing).
+
+    Long base64 payloads are set aside first (``payloads_aside``) and put back after, so
+    only the request's skeleton is parsed and written again: a photo's megabytes are
+    copied once, not parsed and serialised."""
+    skeleton, aside = payloads_aside(body)
+    if aside and not all(_plain_base64(run) for run in aside.values()):
+        skeleton, aside = body, {}  # a run that is not a whole payload: the slow, exact way
+    tree = jiter.from_json(_without_bom(skeleton), float_mode="lossless-float")
     for location, value in replacements:
         container, key = locate(tree, location)
         if value is Unset:
@@ -193,7 +201,33 @@ def rewrite_json_body(body: bytes, replacements: Iterable[tuple[Location, Any]])
             container.setdefault(key, value.value)
         else:
             container[key] = value
-    return dump_json_body(tree)
+    written = dump_json_body(tree)
+    return _payloads_back(written, aside) if aside else written
+
+
+def _plain_base64(run: memoryview) -> bool:
+    """Whether the run is nothing but base64 (a strict decode: SIMD, ~0.15 ms a MB), so
+    swapping it for a token leaves the JSON's structure as it was."""
+    try:
+        pybase64.b64decode(run, validate=True)
+    except ValueError:
+        return False
+    return True
+
+
+def _payloads_back(written: bytes, aside: dict[str, memoryview]) -> bytes:
+    """Each token in ``written`` replaced by its payload, in document order; a token an
+    edit removed (a part replaced whole) is simply not there."""
+    pieces: list[bytes | memoryview] = []
+    done = 0
+    for token, run in aside.items():
+        at = written.find(token.encode(), done)
+        if at < 0:
+            continue
+        pieces += (memoryview(written)[done:at], run)
+        done = at + len(token)
+    pieces.append(memoryview(written)[done:])
+    return b"".join(pieces)
 
 
 def locate(tree: Any, location: Location) -> tuple[Any, str | int]:
