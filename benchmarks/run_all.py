@@ -34,6 +34,7 @@ SCRIPTS = (
     "p13_av_probe.py",
     "r1_ray_pool.py",
     "w1_workers.py",
+    "media_ids.py",
 )
 
 
