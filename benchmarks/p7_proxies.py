@@ -52,9 +52,11 @@ from typing import Any
 from _common import data_url, machine_line, result_line, spread, table
 from _peers import (
     API_KEY,
+    ONE_MESSAGE_CONFIG,
     start_envoy,
     start_envoy_extproc,
     start_extproc,
+    start_extproc_floor,
     start_litellm,
     start_modalgate,
     start_nginx,
@@ -74,7 +76,22 @@ IMAGE_BODY_BYTES = 1_000_000
 # Longer than any peer keeps an idle connection: no peer sends on one the upstream closes.
 UPSTREAM_KEEP_ALIVE_S = 300
 WRK_TIMEOUT_S = 60  # a slow peer's answer is slow, not a socket error
-PEERS = ("nginx", "envoy", "modalgate", "litellm", "authz", "extproc")  # --only names
+# --only names
+PEERS = (
+    "nginx",
+    "envoy",
+    "modalgate",
+    "litellm",
+    "authz",
+    "extproc",
+    "extproc1",
+    "extproc1uds",
+    "flooraio",
+    "floorsync",
+)
+EXTPROC = "Envoy + modalgate ext_proc"
+EXTPROC_ONE = "Envoy + ext_proc, one message"
+EXTPROC_ONE_UDS = "Envoy + ext_proc, one message, UDS"
 
 # ---------------------------------------------------------------- the upstream (uvicorn --factory)
 
@@ -214,14 +231,30 @@ def start_arms(
         else:
             measured = {"Envoy": _started(processes, front), "modalgate": decider}
             arms.append(Arm("Envoy + modalgate ext_authz", front, measured, gated=True))
-    if "extproc" in only:
-        processor = _started(processes, start_extproc(cpu))
-        front = start_envoy_extproc(tmp, upstream, processor.port, cpu)
+    shapes = [  # the ext_proc shapes tried (issue 44): --only name, label, config, socket
+        ("extproc", EXTPROC, None, False),
+        ("extproc1", EXTPROC_ONE, ONE_MESSAGE_CONFIG, False),
+        ("extproc1uds", EXTPROC_ONE_UDS, ONE_MESSAGE_CONFIG, True),
+        # What a processor that judges nothing costs there: the binding's floor.
+        ("flooraio", "one message, no-op processor (grpc.aio)", ONE_MESSAGE_CONFIG, False),
+        ("floorsync", "one message, no-op processor (grpc sync)", ONE_MESSAGE_CONFIG, False),
+    ]
+    for key, label, config, unix in shapes:
+        if key not in only:
+            continue
+        socket_path = tmp / f"{key}.sock" if unix else None
+        if key.startswith("floor"):
+            processor = _started(processes, start_extproc_floor(key.removeprefix("floor"), cpu))
+            where = processor.grpc_port  # type: ignore[attr-defined]
+        else:
+            processor = _started(processes, start_extproc(cpu, socket_path))
+            where = socket_path if socket_path else processor.port
+        front = start_envoy_extproc(tmp, upstream, where, cpu, config)
         if isinstance(front, str):
-            print(f"skipped Envoy + modalgate ext_proc: {front}")
+            print(f"skipped {label}: {front}")
         else:
             measured = {"Envoy": _started(processes, front), "modalgate": processor}
-            arms.append(Arm("Envoy + modalgate ext_proc", front, measured, gated=True))
+            arms.append(Arm(label, front, measured, gated=not key.startswith("floor")))
     return arms
 
 
@@ -371,22 +404,24 @@ def _report(
         print(result_line(NAME, ratio, f"<= {TARGET:g}", ratio <= TARGET))
     else:
         print(result_line(NAME, float("nan"), f"<= {TARGET:g}", False) + " (Envoy absent)")
-    extproc, authz = "Envoy + modalgate ext_proc", "Envoy + modalgate ext_authz"
-    if {"Envoy", extproc} <= names:
+    authz = "Envoy + modalgate ext_authz"
 
-        def total(label: str, arm: str) -> float:
-            return sum(median(v) for v in results[label, arm].cpu_ms.values())
+    def total(label: str, arm: str) -> float:
+        return sum(median(v) for v in results[label, arm].cpu_ms.values())
 
+    for extproc, suffix in ((EXTPROC, "_extproc"), (EXTPROC_ONE, "_extproc1")):
+        if not {"Envoy", extproc} <= names:
+            continue
         text = total("text", extproc) / total("text", "Envoy")
         below = authz not in names or all(
             total(label, extproc) < total(label, authz) for label in bodies
         )
         print(
-            f"Envoy + ext_proc ÷ Envoy alone, text: {text:.2f}; below ext_authz on both bodies:"
+            f"{extproc} ÷ Envoy alone, text: {text:.2f}; below ext_authz on both bodies:"
             f" {below if authz in names else 'ext_authz not run'}"
         )
         target = f"<= {EXTPROC_TARGET:g} and below ext_authz"
-        print(result_line(NAME + "_extproc", text, target, text <= EXTPROC_TARGET and below))
+        print(result_line(NAME + suffix, text, target, text <= EXTPROC_TARGET and below))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,17 @@ an unjudged request leaves Envoy; in BUFFERED mode Envoy holds the headers with 
 body. Plain STREAMED sends the headers upstream on their answer: docs/envoy.md says
 not to use it.
 
+One message each way (``request_header_mode: SKIP``, deploy/envoy/envoy-extproc.yaml):
+Envoy sends the buffered body alone, with the method and path as ``request_attributes``
+and the headers the gate reads (``authorization``, ``content-type``, a tenant header)
+copied into dynamic metadata by Envoy's ``header_to_metadata`` filter (namespace
+``modalgate.request``, forwarded by ``metadata_options``). The answer carries the body
+and the decision as dynamic metadata (namespace ``modalgate``: ``model``, ``rule``,
+``modalities``), on which routes match and from which the route sets the decision's
+headers; Envoy drops header mutations from a body answer there, so the client's own
+``x-modalgate-*`` are removed by the config, and a ``buffer`` filter puts a rewritten
+body's Content-Length back.
+
 The generated Envoy protos come from the ``xds-protos`` wheel; health from
 ``grpcio-health-checking``.
 """
@@ -43,6 +54,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from modalgate.gateway.app import Gateway
@@ -58,6 +70,11 @@ REFUSAL_HEADERS = frozenset(
 )
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 MESSAGE_ROOM = 1 << 20  # a message's headers and framing beside the body
+# One message each way: where the headers the gate reads come (header_to_metadata), where
+# the method and path come (request_attributes), and where the decision goes.
+HEADERS_NAMESPACE = "modalgate.request"
+ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
+DECISION_NAMESPACE = "modalgate"
 
 
 class ModalGateExtProc(ext_proc_grpc.ExternalProcessorServicer):
@@ -109,6 +126,8 @@ class _Exchange:
         if which == "request_headers":
             return await self._headers(request.request_headers)
         if which == "request_body":
+            if self.scope is None:  # the headers were skipped: one message each way
+                return await self._only_body(request)
             return await self._body(request.request_body)
         if which == "request_trailers":
             return [ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())]
@@ -160,6 +179,25 @@ class _Exchange:
             )
         ]
 
+    async def _only_body(
+        self, request: ext_proc.ProcessingRequest
+    ) -> list[ext_proc.ProcessingResponse]:
+        """The whole request in one message: its head from attributes and metadata."""
+        attributes = request.attributes.get(ATTRIBUTES_NAMESPACE)
+        named = attributes.fields if attributes is not None else {}
+        method = named["request.method"].string_value if "request.method" in named else "POST"
+        path = named["request.path"].string_value if "request.path" in named else "/"
+        copied = request.metadata_context.filter_metadata.get(HEADERS_NAMESPACE)
+        headers = [
+            (name.lower().encode("latin-1"), value.string_value.encode("latin-1"))
+            for name, value in (copied.fields.items() if copied is not None else ())
+        ]
+        self.scope = client_scope(method, path, headers)
+        if not self.gateway.gate.judges(method, self.scope["path"]):
+            self.finished = True  # a body the gate does not read: Envoy's, as it is
+            return [ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())]
+        return await self._body(request.request_body)
+
     async def _body(self, message: ext_proc.HttpBody) -> list[ext_proc.ProcessingResponse]:
         assert self.scope is not None
         self.chunks += 1
@@ -210,7 +248,10 @@ class _Exchange:
         if rewritten is not None:
             common.body_mutation.body = rewritten
         responses.append(
-            ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse(response=common))
+            ext_proc.ProcessingResponse(
+                request_body=ext_proc.BodyResponse(response=common),
+                dynamic_metadata=_decision_metadata(decision),
+            )
         )
         return responses
 
@@ -244,6 +285,20 @@ def _allowing(
     # ones just set (it honours the flag only beside a header mutation).
     common.clear_route_cache = True
     return common
+
+
+def _decision_metadata(decision: Decision) -> struct_pb2.Struct:
+    """The decision as dynamic metadata (``modalgate``: ``model``, ``rule``,
+    ``modalities``): what routes match on where Envoy takes no header mutation from a body
+    answer (one message each way); accepted only where ``metadata_options`` lists it."""
+    values = {
+        key.decode("latin-1").removeprefix("x-modalgate-"): value.decode("latin-1")
+        for key in DECISION_HEADERS
+        if (value := decision.header(key)) is not None
+    }
+    metadata = struct_pb2.Struct()
+    metadata.update({DECISION_NAMESPACE: values})
+    return metadata
 
 
 def _stripping(spoofed: list[str]) -> ext_proc.CommonResponse:
