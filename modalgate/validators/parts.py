@@ -180,7 +180,9 @@ def read_part(
     )
     media_id = part.get("uuid")
     if media_id is not None and dialect.uuid != "ignored":  # an id the engine keys caches on
-        if not isinstance(media_id, str):
+        if isinstance(media_id, int | float):  # vLLM reads str(uuid): 42 and "42" are one id
+            media_id = str(media_id)
+        elif not isinstance(media_id, str):
             return _bad("'uuid' must be a string", path(where, "uuid"))
         media.media_id, media.id_param = media_id, path(where, "uuid")
         if value is None and typed.by_key and kind.key in part:

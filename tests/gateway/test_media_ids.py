@@ -221,8 +221,11 @@ def test_refuse_where_the_body_cannot_be_rewritten():
     assert forwarded(decide(g, chat(image_part(data_url(RED)))))  # no id: as before
 
 
-def test_a_uuid_that_is_not_a_string_is_refused():
-    decision = decide(gate(), chat(named(RED, 42)))
+def test_a_number_for_a_uuid_is_the_id_vllm_reads_and_an_object_is_refused():
+    g = gate()
+    (number,) = ids(decide(g, chat(named(RED, 42))))
+    assert ids(decide(g, chat(named(RED, "42")))) == [number]  # vLLM's str(uuid)
+    decision = decide(g, chat(named(RED, {"id": 1})))
     assert refusal(decision) == ("invalid_request", "messages.[0].content.[0].uuid")
 
 

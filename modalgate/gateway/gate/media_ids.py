@@ -183,7 +183,9 @@ class MediaIdentity:
     def _key(self, how: str, tenant: bytes, part: MediaPart, digest: bytes) -> str:
         """The id the engine gets: a keyed digest of what names the media, each field
         length-prefixed (no two field lists hash the same bytes)."""
-        fields = [how.encode(), part.modality.encode(), digest]
+        # Token-in tensors stand for the modality ``format`` names (validators/doors.py).
+        modality = part.format if part.part_type == "features" and part.format else part.modality
+        fields = [how.encode(), modality.encode(), digest]
         if how == "bind":
             fields += [tenant, (part.media_id or "").encode("utf-8", "surrogatepass")]
         hasher = blake3.blake3(key=self._secret)
@@ -233,7 +235,10 @@ def _digests(verdict: Verdict, indexes: list[int]) -> dict[int, bytes]:
     if request is None:
         return digests
     for index in indexes:
-        container, key = locate(request, location_of(verdict.parts[index].payload_at))
-        tensors = orjson.dumps(container[key], option=orjson.OPT_SORT_KEYS)
+        try:
+            container, key = locate(request, location_of(verdict.parts[index].payload_at))
+            tensors = orjson.dumps(container[key], option=orjson.OPT_SORT_KEYS)
+        except (KeyError, IndexError, TypeError, orjson.JSONEncodeError):
+            continue  # not where the verdict says (a bug of ours): no digest, the id dropped
         digests[index] = blake3.blake3(tensors).digest()
     return digests
