@@ -170,8 +170,10 @@ class MediaUrls(_Strict):
 # share: derived from the bytes alone (tenants sending identical bytes share a key);
 # strip: dropped (the engine keys the media by its content; a reference by id alone is
 # refused); refuse: a part with an id is refused (where the body cannot be rewritten:
-# Envoy's ext_authz); pass: as the client sent it (one trusted client).
-MediaIdMode = Literal["bind", "share", "strip", "refuse", "pass"]
+# Envoy's ext_authz); pass: as the client sent it (one trusted client); isolate: bind, and
+# every part without an id gets one bound to the tenant and bytes too (vLLM), so not even
+# identical bytes share the engine's cache across tenants.
+MediaIdMode = Literal["bind", "isolate", "share", "strip", "refuse", "pass"]
 
 
 class MediaIds(_Strict):

@@ -112,7 +112,9 @@ def content_violations(part: PartDraft, rule: ResolvedRule) -> list[Violation]:
     if part.data is None:
         return []
     part.bytes = len(part.data)
-    if part.media_id is not None and rule.media_ids in _DIGESTED:
+    if (part.media_id is not None and rule.media_ids in _DIGESTED) or (
+        rule.media_ids == "isolate" and part.id_param is not None
+    ):
         # What its id is bound to (gateway/gate/media_ids.py), while the bytes are at hand.
         part.digest = blake3.blake3(part.data, max_threads=1).digest()
     claimed = part.format or part.mime  # input_audio's ``format``, or the data URL's type
@@ -142,7 +144,8 @@ def content_violations(part: PartDraft, rule: ResolvedRule) -> list[Violation]:
     return _image_violations(part, rule)
 
 
-_DIGESTED = frozenset({"bind", "share", "strip"})  # media_ids modes that key ids on the bytes
+# media_ids modes that key ids on the bytes
+_DIGESTED = frozenset({"bind", "isolate", "share", "strip"})
 
 
 def _claimed_at(part: PartDraft) -> str:

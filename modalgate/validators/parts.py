@@ -188,6 +188,10 @@ def read_part(
         if value is None and typed.by_key and kind.key in part:
             media.source, media.payload_param = "cached", key_param  # vLLM's cached reference
             return media
+    elif dialect.uuid == "by_key" and kind.key == part_type:
+        # Where an id could stand without changing how the engine reads the part
+        # (``media_ids: isolate`` gives it one).
+        media.id_param = path(where, "uuid")
     at = _PartAt(typed, part, value, where, key_param, dialect)
     return _SHAPE_READERS[kind.shape](media, at)
 

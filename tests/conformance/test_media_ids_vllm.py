@@ -131,3 +131,14 @@ def test_strip_leaves_vllm_its_own_content_hash(model_dir):
     stripped = tenants.forward("a", chat(part(RED, "photo")))
     (key,), (content_key,) = vllm_keys(model_dir, [stripped, chat(part(RED, None))])
     assert key == content_key != "photo"
+
+
+def test_isolate_keeps_identical_bytes_without_ids_apart(model_dir):
+    """Without ids vLLM keys identical bytes alike for everyone (its content hash); under
+    ``isolate`` each tenant's get a key of their own, and the same tenant's stay one."""
+    tenants = Tenants("media_ids: {mode: isolate}")
+    raw = chat(part(RED, None))
+    bodies = [tenants.forward("a", raw), tenants.forward("b", raw), tenants.forward("a", raw)]
+    (a,), (b,), (a_again,) = vllm_keys(model_dir, bodies)
+    ((content,),) = vllm_keys(model_dir, [raw])
+    assert a != b and a == a_again and content not in (a, b)

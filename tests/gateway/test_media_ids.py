@@ -327,6 +327,23 @@ def test_an_entry_costs_no_more_than_it_is_accounted():
     assert kept / count <= store.bytes / count
 
 
-@pytest.mark.parametrize("mode", ["bind", "share", "strip", "refuse", "pass"])
+@pytest.mark.parametrize("mode", ["bind", "isolate", "share", "strip", "refuse", "pass"])
 def test_every_mode_is_a_policy_value(mode):
     assert parse_policy(f"media_ids: {{mode: {mode}}}", fmt="yaml").media_ids.mode == mode
+
+
+def test_isolate_gives_parts_without_an_id_one_bound_to_the_tenant():
+    g = gate("media_ids: {mode: isolate}")
+    a = forwarded(decide(g, chat(image_part(data_url(RED)))))["messages"][0]["content"][0]
+    b = forwarded(decide(g, chat(image_part(data_url(RED))), key="key-b"))
+    assert a["uuid"].startswith(KEY_PREFIX)
+    assert b["messages"][0]["content"][0]["uuid"] not in (a["uuid"], None)
+    assert ids(decide(g, chat(image_part(data_url(RED))))) == [a["uuid"]]  # same tenant, bytes
+    # A part whose type is not its payload key would be read otherwise with an id: untouched.
+    responses_like = {"type": "input_image", "image_url": data_url(RED), "detail": "auto"}
+    assert "uuid" not in forwarded(decide(g, chat(responses_like)))["messages"][0]["content"][0]
+
+
+def test_bind_leaves_parts_without_an_id_to_the_engines_content_hash():
+    request = chat(image_part(data_url(RED)))
+    assert decide(gate(), request, key="key-b").body == orjson.dumps(request)

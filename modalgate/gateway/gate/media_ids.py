@@ -108,7 +108,15 @@ class MediaIdentity:
         refused for an id that cannot go on (no edits then)."""
         rule, parts = verdict.rule, list(verdict.parts)
         named = [i for i, part in enumerate(parts) if part.media_id is not None]
-        if rule is None or not (named or verdict.hash_params) or rule.media_ids == "pass":
+        # isolate: parts without an id, where one may stand, get one too.
+        unnamed = [
+            i
+            for i, part in enumerate(parts)
+            if part.media_id is None and part.id_param is not None and part.digest is not None
+        ]
+        if rule is None or rule.media_ids == "pass":
+            return verdict, []
+        if not (named or verdict.hash_params or (unnamed and rule.media_ids == "isolate")):
             return verdict, []
         mode = rule.media_ids
         if mode == "refuse":
@@ -133,11 +141,19 @@ class MediaIdentity:
             key = None
             if digest is not None and (mode != "strip" or part.part_type == "features"):
                 # vLLM needs an id for precomputed features: stripped, they get the content's.
-                key = self._key("bind" if mode == "bind" else "share", tenant, part, digest)
+                how = "bind" if mode in ("bind", "isolate") else "share"
+                key = self._key(how, tenant, part, digest)
             parts[index] = replace(part, media_id=key)
             edits += _id_edits(part, key)
             if key is not None and mode != "strip":
                 made[part.media_id or ""] = Remembered(key, CachedMedia.of(part, rule))
+        if mode == "isolate":
+            for index in unnamed:
+                part = parts[index]
+                assert part.digest is not None and part.id_param is not None
+                key = self._key("bind", tenant, part, part.digest)
+                parts[index] = replace(part, media_id=key)
+                edits.append((location_of(part.id_param), key))
         if references:
             judged = await self._resolved(verdict, parts, references, tenant, made, edits)
         else:

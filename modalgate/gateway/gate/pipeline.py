@@ -126,7 +126,8 @@ class Decider:
         """The verdict with its media ids bound and the edits writing them; a verdict
         refused for an id; None where no part carries one (nearly always)."""
         if self.identity is None or (
-            not verdict.hash_params and all(part.media_id is None for part in verdict.parts)
+            not verdict.hash_params
+            and all(part.media_id is None and part.digest is None for part in verdict.parts)
         ):
             return None
         tenant = self.identity.tenant_of(headers)
