@@ -23,7 +23,7 @@ an unjudged request leaves Envoy; in BUFFERED mode Envoy holds the headers with 
 body. Plain STREAMED sends the headers upstream on their answer: docs/envoy.md says
 not to use it.
 
-One message each way (``request_header_mode: SKIP``, deploy/envoy/envoy-extproc.yaml):
+One message each way (``request_header_mode: SKIP``, envoy-extproc-one-message.yaml):
 Envoy sends the buffered body alone, with the method and path as ``request_attributes``
 and the headers the gate reads (``authorization``, ``content-type``, a tenant header)
 copied into dynamic metadata by Envoy's ``header_to_metadata`` filter (namespace
