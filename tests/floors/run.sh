@@ -23,6 +23,7 @@ NEEDS_REFERENCE_STACK=(
     tests/gateway/service/test_envoy_extproc.py   # grpcio, Envoy
     tests/gateway/service/test_envoy_routing.py   # grpcio, Envoy
     tests/gateway/service/test_envoy_doors.py     # grpcio, Envoy
+    tests/gateway/service/test_envoy_one_message.py  # grpcio, Envoy
 )
 # Checks of the tree against the newest, not of the floors: docs/policy.schema.json is
 # written by the newest pydantic (2.7 spells a one-value Literal with an extra "enum").
