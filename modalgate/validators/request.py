@@ -13,7 +13,6 @@ The JSON is parsed once, duplicate keys refused (``json_body.py``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from modalgate.errors import (
@@ -64,6 +63,7 @@ from modalgate.validators.verdict import (
     Verdict,
     VerdictBuilder,
     accepted,
+    amended,
     refused,
     with_unparsed_request,
 )
@@ -385,7 +385,7 @@ def check_fetched(verdict: Verdict, fetched: dict[int, tuple[bytes, str | None]]
         parts[index] = draft.frozen()
     if not violations:
         violations += budget_violations(parts, verdict.rule)
-    return replace(verdict, parts=tuple(parts), violations=tuple(violations))
+    return amended(verdict, parts=tuple(parts), violations=tuple(violations))
 
 
 def _dialect_of(rule: ResolvedRule, dialect: DialectOf | None) -> Dialect:

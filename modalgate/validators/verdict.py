@@ -9,7 +9,7 @@ fills the mutable ``VerdictBuilder`` and ``PartDraft`` and freezes them once.
 from __future__ import annotations
 
 import posixpath
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -151,8 +151,9 @@ class Verdict:
         return [part for part in self.parts if part.url is not None]
 
     def with_violations(self, *violations: Violation) -> Verdict:
-        """This verdict refused for ``violations`` too (a later stage's findings)."""
-        return replace(self, violations=(*self.violations, *violations))
+        """This verdict refused for ``violations`` too (a later stage's findings); a request
+        not parsed yet stays unparsed."""
+        return amended(self, violations=(*self.violations, *violations))
 
     @property
     def status(self) -> int:

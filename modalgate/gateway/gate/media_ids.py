@@ -150,10 +150,10 @@ class MediaIdentity:
         if mode == "isolate":
             for index in unnamed:
                 part = parts[index]
-                assert part.digest is not None and part.id_param is not None
+                assert part.digest is not None
                 key = self._key("bind", tenant, part, part.digest)
                 parts[index] = replace(part, media_id=key)
-                edits.append((location_of(part.id_param), key))
+                edits += _id_edits(part, key)
         if references:
             judged = await self._resolved(verdict, parts, references, tenant, made, edits)
         else:
@@ -226,7 +226,7 @@ def _refused(verdict: Verdict, params: list[str], message: str) -> Verdict:
         Violation(ErrorCode.MEDIA_ID_NOT_ALLOWED, f"{where}: {message}", where)
         for where in params[:MAX_LISTED_VIOLATIONS]
     ]
-    return amended(verdict, violations=(*verdict.violations, *violations))
+    return verdict.with_violations(*violations)
 
 
 def _id_edits(part: MediaPart, key: str | None) -> Edits:
