@@ -21,7 +21,8 @@ import uvicorn
 from PIL import Image
 
 import modalgate
-from modalgate.gateway import body_reader, http_protocol
+from modalgate.gateway.http import body_reader
+from modalgate.gateway.http import protocol as http_protocol
 from modalgate.media import pillow_planes
 
 PACKAGE = Path(modalgate.__file__).parent
@@ -52,7 +53,7 @@ def imports_below_public_apis() -> list[str]:
 
 def test_no_module_imports_a_private_part_of_a_dependency():
     """serve's protocol used to subclass uvicorn's private ``HttpToolsProtocol``; it is
-    modalgate's own now (``gateway/http11.py``), on httptools' public parser."""
+    modalgate's own now (``gateway/http/connection.py``), on httptools' public parser."""
     assert imports_below_public_apis() == []
 
 
@@ -76,7 +77,7 @@ async def _answer(_scope, receive, send) -> None:
 
 
 def test_uvicorn_hosts_the_protocol_as_it_hosts_any_protocol_class():
-    """What ``http11.Http11Protocol`` takes from ``uvicorn.Server``: it is built per
+    """What ``connection.Http11Protocol`` takes from ``uvicorn.Server``: it is built per
     connection from ``Config(http=cls)`` with the server's ``config``, ``server_state``
     and ``app_state``, is counted in ``server_state.connections``, counts its answers in
     ``server_state.total_requests``, and is told to ``shutdown()`` when the server
@@ -127,7 +128,7 @@ def test_a_body_filled_in_place_is_a_normal_bytes_object():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_glibc_takes_the_allocator_settings():
     """In a process of its own: the settings are the whole process's."""
-    code = "from modalgate.gateway.server import reuse_big_buffers; print(reuse_big_buffers())"
+    code = "from modalgate.gateway.http.server import reuse_big_buffers; print(reuse_big_buffers())"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "True", "glibc's mallopt refused the thresholds"
 

@@ -58,7 +58,7 @@ from modalgate.encoder_adapter import BatchSettings
 from modalgate.encoder_adapter.towers.local_adapter import LocalImageAdapter, Output
 from modalgate.errors import STATUS, ErrorCode, error_body, error_type, status_of
 from modalgate.gateway.app import create_app
-from modalgate.gateway.http_protocol import ServeHttpProtocol
+from modalgate.gateway.http.protocol import ServeHttpProtocol
 from modalgate.policy import RuleMatcher, load_policy, parse_policy
 from modalgate.settings import GatewaySettings
 from modalgate.validators import validate_body

@@ -8,6 +8,8 @@
 - ``service/``: the gateway's own endpoints (models catalog, ``/v1/encode``,
   health) and the encoder-side embeds rewrite;
 - ``observability/``: metrics, logs, request ids;
+- ``http/``: ``modalgate serve``'s own HTTP/1.1 server (``http.server`` hosts it under
+  uvicorn); it reads and answers bytes, and judges nothing;
 - ``app.py`` assembles them (``create_app``), ``cli.py`` is ``modalgate``.
 """
 

@@ -269,7 +269,7 @@ class Gateway:
 
     def protocol_refused(self, violation: Violation) -> None:
         """Counted as a refusal before any verdict (``modalgate_requests_total``): serve's
-        protocol answered the request itself (``http_protocol.PROTOCOL_REFUSED``) and
+        protocol answered the request itself (``http/protocol.py``'s ``PROTOCOL_REFUSED``) and
         logged it there."""
         self.metrics.observe_outcome(GateOutcome.early_refusal(violation, self.gate.mode, ""))
 

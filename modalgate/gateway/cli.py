@@ -168,13 +168,13 @@ def _settings(args: argparse.Namespace) -> tuple[Policy, GatewaySettings] | None
 
 def _serve(args: argparse.Namespace) -> int:
     from modalgate.gateway.app import StartupError, create_app
-    from modalgate.gateway.server import run_single, run_workers
+    from modalgate.gateway.http.server import run_single, run_workers
 
     loaded = _settings(args)
     if loaded is None:
         return EXIT_USAGE
     policy, settings = loaded
-    if settings.workers > 1:  # each worker builds its own gateway (gateway/server.py)
+    if settings.workers > 1:  # each worker builds its own gateway (gateway/http/server.py)
         return EXIT_OK if run_workers(settings) else EXIT_USAGE
     try:
         gateway = create_app(policy, settings=settings)

@@ -897,7 +897,7 @@ def _dechunk(data: bytes) -> tuple[bytes, bool]:
         data = data[size + 2 :]
 
 
-# serve's protocol refusing bytes that are not HTTP/1.1 (gateway/http11.py ``malformed``).
+# serve's protocol refusing bytes that are not HTTP/1.1 (gateway/http/connection.py ``malformed``).
 SERVER_REJECTION = b'"message":"the request is not valid HTTP/1.1: '
 
 

@@ -496,7 +496,7 @@ def test_serve_keeps_big_buffers_in_the_heap() -> None:
     again; after ``reuse_big_buffers`` the same memory serves the next ones."""
     script = (
         "import collections, resource, sys\n"
-        "from modalgate.gateway.server import reuse_big_buffers\n"
+        "from modalgate.gateway.http.server import reuse_big_buffers\n"
         "def faults():\n"
         "    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
         "    alive = collections.deque()\n"

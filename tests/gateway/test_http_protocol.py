@@ -24,10 +24,11 @@ import uvicorn
 import uvloop
 
 from conftest import serve
-from modalgate.gateway import body_reader, http_protocol
-from modalgate.gateway.body_reader import WholeBodyReader, as_bytes, writable_bytes
-from modalgate.gateway.http11 import FLUSH_AT_BYTES, CoalescingTransport
-from modalgate.gateway.http_protocol import ON_CLIENT_GONE, ServeHttpProtocol
+from modalgate.gateway.http import body_reader
+from modalgate.gateway.http import protocol as http_protocol
+from modalgate.gateway.http.body_reader import WholeBodyReader, as_bytes, writable_bytes
+from modalgate.gateway.http.connection import FLUSH_AT_BYTES, CoalescingTransport
+from modalgate.gateway.http.protocol import ON_CLIENT_GONE, ServeHttpProtocol
 
 WRITES: list[int] = []  # sizes of the real transport's writes, in order
 GO_ON = threading.Event()

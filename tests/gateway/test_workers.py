@@ -12,7 +12,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from conftest import chat, serve
 from gateway_proc import GatewayProcess, metric
-from modalgate.gateway.server import settings_environment
+from modalgate.gateway.http.server import settings_environment
 from modalgate.settings import GatewaySettings
 from toy_upstream import ToyUpstream
 

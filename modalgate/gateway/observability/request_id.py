@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from modalgate.gateway.http_protocol import ANSWERED_BY_SERVER
+from modalgate.gateway.http.protocol import ANSWERED_BY_SERVER
 from modalgate.gateway.observability.logs import request_id_var
 
 STATE_KEY = "request_id"

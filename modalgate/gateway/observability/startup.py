@@ -4,15 +4,34 @@ variables and a policy file's ``server:`` section side by side."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sized
+from typing import TYPE_CHECKING, Protocol
 
 from modalgate.gateway.gate.shadow import shadow_in_effect
 
 if TYPE_CHECKING:
-    from modalgate.gateway.app import Gateway
+    from modalgate.encoder_adapter import EncoderAdapter
+    from modalgate.gateway.gate.middleware import ModalGate
+    from modalgate.gateway.upstream.balancer import Upstreams
+    from modalgate.settings import GatewaySettings
 
 
-def in_effect(gateway: Gateway) -> dict[str, object]:
+class StartedGateway(Protocol):
+    """What the line reads of a gateway (``app.Gateway``), named here so that this
+    module does not import the app that logs it."""
+
+    settings: GatewaySettings
+    upstreams: Upstreams
+    adapters_by_spec: Mapping[str, EncoderAdapter]
+    default_encoder: EncoderAdapter | None
+    proxying: bool
+    gate: ModalGate
+    api_keys: Sized
+
+    def open_paths(self) -> list[str]: ...
+
+
+def in_effect(gateway: StartedGateway) -> dict[str, object]:
     """The fields of the ``gateway started`` line; never a key, only how many."""
     settings = gateway.settings
     routes = [

@@ -26,7 +26,7 @@ from modalgate.encoder_adapter import EncoderAdapter, Overloaded
 from modalgate.errors import ErrorCode, Violation, error_json, status_of
 from modalgate.gateway.gate.middleware import get_verdict
 from modalgate.gateway.gate.send import json_bytes
-from modalgate.gateway.http_protocol import ON_CLIENT_GONE
+from modalgate.gateway.http.protocol import ON_CLIENT_GONE
 from modalgate.validators import MediaPart, Verdict
 
 ENCODE_PATH = "/v1/encode"

@@ -26,7 +26,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, error_body
 from modalgate.gateway.gate.send import send_error
-from modalgate.gateway.http_protocol import ON_CLIENT_GONE
+from modalgate.gateway.http.protocol import ON_CLIENT_GONE
 from modalgate.gateway.upstream.pool import UpstreamPool, UpstreamResponse
 
 logger = logging.getLogger("modalgate.proxy")

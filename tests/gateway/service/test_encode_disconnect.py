@@ -21,7 +21,7 @@ from conftest import chat, data_url, image_part, noise_png, objects_left_behind,
 from modalgate.encoder_adapter import Encoded
 from modalgate.errors import ErrorCode, Violation
 from modalgate.gateway.app import create_app
-from modalgate.gateway.http_protocol import ServeHttpProtocol
+from modalgate.gateway.http.protocol import ServeHttpProtocol
 
 PROTOCOLS = {"serve": ServeHttpProtocol, "httptools": "httptools"}
 REQUEST = chat(

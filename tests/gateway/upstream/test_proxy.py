@@ -20,7 +20,7 @@ from pydantic import TypeAdapter
 from conftest import chat, data_url, free_port, image_bytes, objects_left_behind, serve
 from gateway_proc import GatewayProcess, metric, raw_http
 from modalgate.gateway.app import create_app
-from modalgate.gateway.http_protocol import ServeHttpProtocol
+from modalgate.gateway.http.protocol import ServeHttpProtocol
 from modalgate.gateway.upstream.proxy import _Exchange
 from modalgate.policy import parse_policy
 from modalgate.policy.models import DEFAULT_ENDPOINTS

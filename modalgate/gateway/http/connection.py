@@ -1,11 +1,11 @@
 """An HTTP/1.1 server protocol of modalgate's own, on httptools' public parser.
 
-``modalgate serve`` reads requests in ways a general server does not (``http_protocol``:
+``modalgate serve`` reads requests in ways a general server does not (``protocol``:
 bodies whole, heads measured, slow clients timed out). It used to get there by
 subclassing uvicorn's private ``HttpToolsProtocol`` and ``RequestResponseCycle``, which
 uvicorn may change in any release, so uvicorn was pinned to one minor version. This is
 that base, owned: llhttp through ``httptools.HttpRequestParser``'s callbacks and
-methods, the ASGI side in ``http_cycle``, and hosted by ``uvicorn.Server`` the way any
+methods, the ASGI side in ``cycle``, and hosted by ``uvicorn.Server`` the way any
 protocol class is (``uvicorn.Config(http=cls)``): built per connection with the
 server's ``config``, ``server_state`` and ``app_state``, told to ``shutdown()`` when the
 server stops, and counted in ``server_state`` so that the server can wait for it and
@@ -32,7 +32,7 @@ import httptools
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, error_json
-from modalgate.gateway.http_cycle import (
+from modalgate.gateway.http.cycle import (
     HIGH_WATER_BYTES,
     STATUS_LINES,
     FlowControl,

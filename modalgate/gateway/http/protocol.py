@@ -1,5 +1,5 @@
 """``modalgate serve``'s HTTP/1.1 protocol: a request body handed over whole, heads
-measured and capped, slow clients timed out. Its base, ``http11.Http11Protocol``, is
+measured and capped, slow clients timed out. Its base, ``connection.Http11Protocol``, is
 modalgate's own, on httptools' public parser (no uvicorn internals); uvicorn hosts it.
 
 A body of a declared length up to ``WHOLE_BODY_BYTES`` reaches the app in one
@@ -16,7 +16,7 @@ or more are still to come, the kernel reads them into the body's own ``bytes``
 without a length (chunked: a client streaming as it goes) or a longer one is handed
 over as it arrives, as uvicorn does.
 
-Writes made in one turn of the event loop leave together (``http11.CoalescingTransport``).
+Writes made in one turn of the event loop leave together (``connection.CoalescingTransport``).
 
 A client that goes silent while its request is being read (headers or body) is
 answered ``408 request_timeout`` once nothing has arrived for ``read_timeout_s``, and
@@ -53,8 +53,8 @@ import httptools
 from starlette.types import Receive, Scope, Send
 
 from modalgate.errors import ErrorCode, Violation, error_json
-from modalgate.gateway.body_reader import WholeBodyReader
-from modalgate.gateway.http11 import Http11Protocol, closing_answer, malformed, new_parser
+from modalgate.gateway.http.body_reader import WholeBodyReader
+from modalgate.gateway.http.connection import Http11Protocol, closing_answer, malformed, new_parser
 
 # The rest of a whole body, from this size on, is read into it in place (``body_reader``);
 # less arrives in a read or two, not worth swapping protocols for.

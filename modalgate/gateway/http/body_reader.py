@@ -15,7 +15,7 @@ the object ``PyBytes_FromStringAndSize(NULL, size)`` returns: it is handed on on
 when every byte has been written, and nothing else sees it before. Where that C
 API is not there (not CPython), it is a ``bytearray`` copied to ``bytes`` once.
 
-The whole declared length (at most ``http_protocol.WHOLE_BODY_BYTES``) is allocated
+The whole declared length (at most ``protocol.WHOLE_BODY_BYTES``) is allocated
 when the reader starts, but the allocator hands out a block that size without
 touching it: its pages become resident as the client's bytes are written in (200
 readers of 4 MiB each, nothing received: +1-2 MiB resident, with and without

@@ -31,7 +31,7 @@ from uvicorn.supervisors import Multiprocess
 
 from modalgate.gateway.app import Gateway, StartupError, create_app
 from modalgate.gateway.gate.media_ids import deployment_secret
-from modalgate.gateway.http_protocol import ServeHttpProtocol
+from modalgate.gateway.http.protocol import ServeHttpProtocol
 from modalgate.gateway.observability.logs import uvicorn_log_config
 from modalgate.gateway.observability.metrics import MULTIPROC_DIR_VARIABLE
 from modalgate.settings import GatewaySettings, env_name
@@ -146,7 +146,7 @@ def _options(settings: GatewaySettings) -> dict[str, Any]:
         "proxy_headers": False,
         "lifespan": "on",
         # Request bodies whole, a small response in one write, a silent or slow client
-        # timed out, a head's size capped (gateway/http_protocol.py).
+        # timed out, a head's size capped (gateway/http/protocol.py).
         "http": partial(
             ServeHttpProtocol,
             read_timeout_s=settings.client_timeout_s,

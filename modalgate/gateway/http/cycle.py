@@ -1,5 +1,5 @@
 """One request and its answer on an HTTP/1.1 connection: the ASGI ``receive`` and ``send``
-that ``http11.Http11Protocol`` hands the app.
+that ``connection.Http11Protocol`` hands the app.
 
 modalgate owns this rather than borrowing uvicorn's private ``RequestResponseCycle``,
 which ``modalgate serve`` used to reach into (its ``body`` replaced, its fields read)
