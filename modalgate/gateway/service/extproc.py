@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from modalgate.gateway.gate.middleware import get_verdict
+from modalgate.gateway.gate.middleware import body_rewritten, get_verdict
 from modalgate.gateway.gate.paths import with_normalized_path
 from modalgate.gateway.service.authz import (
     AUTHZ_SCOPE_KEY,
@@ -30,14 +31,20 @@ from modalgate.gateway.service.authz import (
 from modalgate.policy import Policy, RuleMatcher
 
 DECISION_HEADER = b"x-modalgate-decision"  # ExtProcAllow's mark on its own answer
+BODY_HEADER = b"x-modalgate-body"  # "rewritten": the answer's body replaces the request's
 
 
 class ExtProcAllow:
     """Behind the gate, for ext_proc checks: the request got this far, so it is allowed;
-    the answer carries what the gate decided and the body it passed on."""
+    the answer carries what the gate decided and the body it passed on.
 
-    def __init__(self, app: ASGIApp) -> None:
+    ``body_back="rewritten"`` (the HTTP check, ``--check-prefix``): the body comes back
+    only where the gate changed it, marked ``x-modalgate-body: rewritten``, so an
+    unchanged megabyte is not sent back to Envoy, which still holds it."""
+
+    def __init__(self, app: ASGIApp, body_back: Literal["always", "rewritten"] = "always") -> None:
         self.app = app
+        self.body_back = body_back
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope.get(AUTHZ_SCOPE_KEY):
@@ -55,11 +62,13 @@ class ExtProcAllow:
         # the gate passed on, uncopied, so ``judge``'s caller sees an unchanged body as
         # the same object.
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        headers = [
-            (b"content-length", str(len(body)).encode("ascii")),
-            (DECISION_HEADER, b"allow"),
-            *decision_headers(get_verdict(scope)),
-        ]
+        headers = [(DECISION_HEADER, b"allow"), *decision_headers(get_verdict(scope))]
+        if self.body_back == "rewritten":
+            if body_rewritten(scope):
+                headers.append((BODY_HEADER, b"rewritten"))
+            else:
+                body = b""
+        headers.append((b"content-length", str(len(body)).encode("ascii")))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
