@@ -151,6 +151,7 @@ class Gateway:
             else True,
             enforced_paths=[VALIDATE_PATH, VALIDATE_RESPONSES_PATH, ENCODE_PATH],
         )
+        self.gate.verdict_cache.on_lookup = self.metrics.verdict_cache_lookup
         self.reloader = (
             PolicyReloader(
                 settings.policy,

@@ -11,6 +11,7 @@ from modalgate.policy.models import (
     Policy,
     Server,
     TokenSpec,
+    VerdictCacheSpec,
 )
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "RuleMatcher",
     "Server",
     "TokenSpec",
+    "VerdictCacheSpec",
     "load_policy",
     "parse_policy",
     "policy_json_schema",

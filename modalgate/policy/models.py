@@ -195,6 +195,18 @@ class MediaIds(_Strict):
         return name.lower() if name is not None else None
 
 
+class VerdictCacheSpec(_Strict):
+    """Accepted media parts remembered by their exact payload, so a conversation's images,
+    resent every turn, are not walked again (``validators/verdict_cache.py``). Per process,
+    least recently used first; the memory is the payloads' base64 text."""
+
+    enabled: bool = True
+    max_entries: int = Field(10_000, ge=0)
+    max_bytes: int = Field(128 * 1024 * 1024, ge=0)
+    # Smaller payloads are walked again: cheaper than comparing them.
+    min_payload_bytes: int = Field(4096, ge=0)
+
+
 # The policy file's ``server:`` section: derived from the one settings model.
 Server = ServerSection
 
@@ -333,6 +345,7 @@ class Policy(_Strict):
     media_roles: tuple[Role, ...] = ("user", "tool")
     media_urls: MediaUrls = MediaUrls()
     media_ids: MediaIds = MediaIds()
+    verdict_cache: VerdictCacheSpec = VerdictCacheSpec()
     server: Server = Server()
     # Paths the gateway forwards and how each body is judged; ``/prefix/*`` covers a subtree.
     endpoints: dict[str, EndpointSpec] = Field(default_factory=lambda: dict(DEFAULT_ENDPOINTS))

@@ -24,6 +24,7 @@ from modalgate.validators.av_checks import av_violations
 from modalgate.validators.image_probe import ImageFacts, ImageProbeError, probe_image
 from modalgate.validators.tokens import TokenEstimateError, estimate_tokens
 from modalgate.validators.verdict import MediaPart, PartDraft
+from modalgate.validators.verdict_cache import VerdictCache, key_of
 
 _GENERIC_MIMES = frozenset({"", "application/octet-stream", "binary/octet-stream"})
 _ARTICLE = {"image": "an image", "video": "a video", "audio": "audio", "file": "a document"}
@@ -92,19 +93,46 @@ def cheap_violations(
     return []
 
 
-def probe_violations(part: PartDraft, rule: ResolvedRule) -> list[Violation]:
+def probe_violations(
+    part: PartDraft, rule: ResolvedRule, cache: VerdictCache | None = None
+) -> list[Violation]:
     """Decode an inline payload, then check what the bytes are (an upload's bytes came
-    whole: checked as they are)."""
+    whole: checked as they are). With a ``cache``, a payload judged before under these
+    limits takes what was learned then, undecoded (``verdict_cache.py``)."""
     if part.source == "upload":
         return content_violations(part, rule)
     if part.payload is None or part.source == "embeds":
         return []
+    text = key = None
+    if cache is not None and cache.takes(part.payload):
+        text = _payload_bytes(part.payload)
+        key = key_of(text, part, rule)  # the part as claimed, before its bytes are read
+        entry = cache.recall(key, text)
+        if entry is not None:
+            entry.facts.apply(part)
+            if _needs_digest(part, rule):
+                if entry.digest is None:  # the same text decoded cleanly when judged
+                    entry.digest = _digest(decode_base64(part.payload))
+                part.digest = entry.digest
+            return []  # the payload stays: MediaPart.content() decodes it where needed
     try:
         part.data = decode_base64(part.payload)
     except Base64Error as exc:
         return [_violation(ErrorCode.INVALID_BASE64, part, str(exc))]
     part.payload = None
-    return content_violations(part, rule)
+    violations = content_violations(part, rule)
+    if text is not None and not violations:
+        assert cache is not None
+        cache.remember(key, text, part)
+    return violations
+
+
+def _payload_bytes(payload: str | memoryview) -> bytes | memoryview:
+    """The payload's text as bytes, uncopied where it is the body's (base64 is ASCII; a
+    str that is not is refused when decoded, and never reaches a cache entry)."""
+    if isinstance(payload, str):
+        return payload.encode("utf-8", "surrogatepass")
+    return payload
 
 
 def content_violations(part: PartDraft, rule: ResolvedRule) -> list[Violation]:
@@ -112,11 +140,9 @@ def content_violations(part: PartDraft, rule: ResolvedRule) -> list[Violation]:
     if part.data is None:
         return []
     part.bytes = len(part.data)
-    if (part.media_id is not None and rule.media_ids in _DIGESTED) or (
-        rule.media_ids == "isolate" and part.id_param is not None
-    ):
+    if _needs_digest(part, rule):
         # What its id is bound to (gateway/gate/media_ids.py), while the bytes are at hand.
-        part.digest = blake3.blake3(part.data, max_threads=1).digest()
+        part.digest = _digest(part.data)
     claimed = part.format or part.mime  # input_audio's ``format``, or the data URL's type
     sniffed = sniff(part.data[:SNIFF_BYTES])
     if sniffed is not None:
@@ -146,6 +172,16 @@ def content_violations(part: PartDraft, rule: ResolvedRule) -> list[Violation]:
 
 # media_ids modes that key ids on the bytes
 _DIGESTED = frozenset({"bind", "isolate", "share", "strip"})
+
+
+def _needs_digest(part: PartDraft, rule: ResolvedRule) -> bool:
+    return (part.media_id is not None and rule.media_ids in _DIGESTED) or (
+        rule.media_ids == "isolate" and part.id_param is not None
+    )
+
+
+def _digest(data: bytes) -> bytes:
+    return blake3.blake3(data, max_threads=1).digest()
 
 
 def _claimed_at(part: PartDraft) -> str:

@@ -67,6 +67,7 @@ from modalgate.validators.verdict import (
     refused,
     with_unparsed_request,
 )
+from modalgate.validators.verdict_cache import VerdictCache
 
 _NAMES = {
     "image": "images",
@@ -154,21 +155,22 @@ def validate_body(
     served: ServedModel | None = None,
     dialect: DialectOf | None = None,
     content_type: bytes | None = None,
+    cache: VerdictCache | None = None,
 ) -> Verdict:
     """The whole check for one request body; ``content_type``: its header, which says how
-    an audio upload's form is delimited."""
+    an audio upload's form is delimited; ``cache``: media judged before, by their bytes."""
     if api == "audio_upload":
         form = read_form(body, content_type)
         if isinstance(form, Violation):
             return refused(form, matcher.mode)
-        return validate_request(form, matcher, len(body), api, served, dialect)
+        return validate_request(form, matcher, len(body), api, served, dialect, cache=cache)
     if len(body) > ASIDE_MIN_PAYLOAD:
-        verdict = _with_payloads_aside(body, matcher, api, served, dialect)
+        verdict = _with_payloads_aside(body, matcher, api, served, dialect, cache)
         if verdict is not None:
             return verdict
     request = parse_json_body(body)
     if type(request) is dict:  # the common case first, arguments by position: cheaper
-        return validate_request(request, matcher, len(body), api, served, dialect)
+        return validate_request(request, matcher, len(body), api, served, dialect, cache=cache)
     if isinstance(request, Violation):
         return refused(request, matcher.mode)
     not_object = Violation(ErrorCode.INVALID_JSON, "the request body must be a JSON object")
@@ -181,6 +183,7 @@ def _with_payloads_aside(
     api: Api,
     served: ServedModel | None,
     dialect: DialectOf | None,
+    cache: VerdictCache | None,
 ) -> Verdict | None:
     """The verdict on ``body`` read with its long data URL payloads aside, where it accepts.
 
@@ -197,7 +200,9 @@ def _with_payloads_aside(
     request = parse_json_body(skeleton)
     if type(request) is not dict:
         return None
-    verdict = validate_request(request, matcher, len(body), api, served, dialect, aside=aside)
+    verdict = validate_request(
+        request, matcher, len(body), api, served, dialect, aside=aside, cache=cache
+    )
     if aside or not verdict.accepted:
         return None
     return with_unparsed_request(verdict, body)
@@ -212,6 +217,7 @@ def validate_request(
     dialect: DialectOf | None = None,
     *,
     aside: dict[str, memoryview] | None = None,
+    cache: VerdictCache | None = None,
 ) -> Verdict:
     """Validate an already-parsed request; ``body_size`` enables the per-model body cap.
 
@@ -227,6 +233,8 @@ def validate_request(
     data URL part whose payload is a token takes its bytes from there. Where a token is
     left once every part has taken its own, the verdict is returned unfinished, before
     the images are decoded: the caller reads the body whole instead.
+
+    ``cache``: parts judged before (``verdict_cache.py``) take what was learned then.
     """
     model = request.get("model")
     named = model if isinstance(model, str) else None
@@ -291,7 +299,7 @@ def validate_request(
             return verdict.build()
     if not verdict.violations:
         for part in verdict.parts:
-            verdict.violations.extend(probe_violations(part, rule))
+            verdict.violations.extend(probe_violations(part, rule, cache))
     if not verdict.violations:
         verdict.violations.extend(budget_violations(verdict.parts, rule))
     return verdict.build()

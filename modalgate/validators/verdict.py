@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import pybase64
 
 from modalgate.errors import Violation, status_of
+from modalgate.media.data_url import decode_base64
 from modalgate.policy.matching import ResolvedRule
 from modalgate.validators.json_body import (
     Default,
@@ -24,6 +25,8 @@ from modalgate.validators.json_body import (
     location_of,
     parse_json_body,
 )
+
+_INLINE = frozenset({"data", "base64"})  # sources whose payload is base64 text
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,19 @@ class MediaPart:
     def payload_at(self) -> str:
         """The one param that locates this part's payload: what a violation on it names."""
         return self.payload_param or self.param
+
+    @property
+    def has_content(self) -> bool:
+        """Whether ``content()`` has bytes to give (not a file id, nor an unfetched URL)."""
+        return self.data is not None or (self.payload is not None and self.source in _INLINE)
+
+    def content(self) -> bytes | None:
+        """The decoded bytes, for a stage that needs them (an encoder): a payload judged
+        before (``verdict_cache.py``) was not decoded again, so it is decoded here."""
+        if self.data is not None or not self.has_content:
+            return self.data
+        assert self.payload is not None
+        return decode_base64(self.payload)
 
     def draft(self) -> PartDraft:
         """A mutable copy, for a stage that checks the part again (fetched bytes)."""

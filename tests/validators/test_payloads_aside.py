@@ -260,9 +260,9 @@ def test_a_token_left_untaken_stops_before_the_images_are_decoded(full_matcher, 
     probed: list[str] = []
     real_probe = request_module.probe_violations
 
-    def counting_probe(part: Any, rule: Any) -> Any:
+    def counting_probe(part: Any, rule: Any, cache: Any = None) -> Any:
         probed.append(part.param)
-        return real_probe(part, rule)
+        return real_probe(part, rule, cache)
 
     monkeypatch.setattr(request_module, "probe_violations", counting_probe)
     verdict = validate_body(raw, full_matcher)

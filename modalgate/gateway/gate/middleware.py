@@ -57,6 +57,7 @@ from modalgate.validators import Verdict, validate_body
 from modalgate.validators.dialects import Dialect
 from modalgate.validators.request import Api, DialectOf, ServedModel
 from modalgate.validators.verdict import request_unparsed
+from modalgate.validators.verdict_cache import VerdictCache
 
 DEFAULT_PATHS = ("/v1/chat/completions", "/chat/completions")
 # The Responses API (vLLM and SGLang serve it too): the same checks on its ``input``.
@@ -160,6 +161,9 @@ class ModalGate:
             if is_normal(where)
         }
         self.identity: MediaIdentity | None = None
+        # Media judged before, by their bytes (validators/verdict_cache.py): it outlives a
+        # policy swap, its keys holding the limits that judged each entry.
+        self.verdict_cache = VerdictCache()
         self.set_policy(as_policy(policy), mode)
 
     def set_policy(self, policy: Policy, mode: str | None = None) -> None:
@@ -181,6 +185,12 @@ class ModalGate:
             if self.identity is not None
             else MediaIdentity(policy.media_ids)
         )
+        remembered = policy.verdict_cache
+        self.verdict_cache.resize(
+            remembered.max_entries if remembered.enabled else 0,
+            remembered.max_bytes,
+            remembered.min_payload_bytes,
+        )
         # One object per policy: a request in flight keeps the one it started with.
         self.decider = Decider(
             self.matcher,
@@ -191,6 +201,7 @@ class ModalGate:
             self.dialect,
             inline_below=self.thread_threshold,
             identity=self.identity,
+            cache=self.verdict_cache if remembered.enabled else None,
         )
         self.strict_decider = replace(self.decider, enforce=True)
         # For a small body of many values: every step in the threads, whatever its size.
@@ -299,13 +310,22 @@ class ModalGate:
                 # body's (``inline_work``); too much of it and the body goes to a thread,
                 # as any video or audio probe does.
                 verdict = run_within(
-                    validate_body, body, decider.matcher, api, decider.served, decider.dialect
+                    validate_body,
+                    body,
+                    decider.matcher,
+                    api,
+                    decider.served,
+                    decider.dialect,
+                    None,
+                    decider.cache,
                 )
                 if isinstance(verdict, InlineWorkExceeded):
                     verdict = None
                     decider = self.strict_threaded_decider if strict else self.threaded_decider
             else:
-                verdict = validate_body(body, decider.matcher, api, decider.served, decider.dialect)
+                verdict = validate_body(
+                    body, decider.matcher, api, decider.served, decider.dialect, None, decider.cache
+                )
             if verdict is not None and not verdict.violations and not verdict.parts:  # text only
                 if self.on_outcome is not None:
                     self._report(decider, verdict, len(body), scope["path"], started)

@@ -21,6 +21,7 @@ from modalgate.policy import RuleMatcher
 from modalgate.validators import Verdict, validate_body, with_fallback
 from modalgate.validators.json_body import Location, rewrite_json_body
 from modalgate.validators.request import Api, DialectOf, ServedModel
+from modalgate.validators.verdict_cache import VerdictCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,8 @@ class Decider:
     inline_below: int = 0
     # Client media ids rebound to the caller and the bytes (media_ids.py); None: as sent.
     identity: MediaIdentity | None = None
+    # Media judged before, by their bytes (validators/verdict_cache.py); None: judge all.
+    cache: VerdictCache | None = None
 
     async def decide(
         self,
@@ -78,6 +81,7 @@ class Decider:
                 self.served,
                 self.dialect,
                 content_type,
+                self.cache,
             )
         edits: Edits = []
         # A fallback rewrites the JSON body's model: a form has none to rewrite.

@@ -138,6 +138,17 @@ class GatewayMetrics:
             buckets=BATCH_SECONDS_BUCKETS,
             registry=r,
         )
+        self.verdict_cache_lookups = Counter(
+            "modalgate_verdict_cache_lookups",
+            "Media parts looked up among those judged before, by their bytes (a hit is"
+            " not walked again), by result.",
+            ["result"],
+            registry=r,
+        )
+        self._cache_results = {
+            True: self.verdict_cache_lookups.labels("hit"),
+            False: self.verdict_cache_lookups.labels("miss"),
+        }
         self._encoders = _EncoderCollector()
         r.register(self._encoders)
         # Each series once: ``labels()`` checks, locks and builds a key on every call,
@@ -188,6 +199,9 @@ class GatewayMetrics:
 
     def routed(self, from_rule: str, to_rule: str) -> None:
         self.fallback_routes.labels(from_rule, to_rule).inc()
+
+    def verdict_cache_lookup(self, hit: bool) -> None:
+        self._cache_results[hit].inc()
 
     def watch_encoder(self, adapter: object, name: str) -> None:
         """Export what ``adapter`` counts, and hook its batcher; attributes it lacks are skipped.

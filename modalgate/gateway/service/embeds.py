@@ -128,7 +128,7 @@ async def rewrite_to_embeds(
     for part in images:
         slot = _slot(request, part.param)
         param = part.payload_param or part.param
-        if part.data is None:
+        if not part.has_content:
             problems.append(
                 Violation(
                     ErrorCode.INVALID_REQUEST,
@@ -144,7 +144,7 @@ async def rewrite_to_embeds(
             slots.append(slot)
     if problems:
         return Embedded(problems, [])
-    results = await adapter.encode([part.data or b"" for part in images])
+    results = await adapter.encode([part.content() or b"" for part in images])
     problems = [
         problem
         for part, result in zip(images, results, strict=True)

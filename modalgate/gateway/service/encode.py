@@ -49,7 +49,7 @@ def encode_endpoint(default: EncoderAdapter | None, by_spec: dict[str, EncoderAd
                 )
             )
         images = [part for part in verdict.parts if part.modality == "image"]
-        unusable = [part for part in images if part.data is None]
+        unusable = [part for part in images if not part.has_content]
         if unusable:
             param = unusable[0].payload_at
             return _error(
@@ -91,7 +91,7 @@ async def _unless_disconnected(
     cancellation's traceback in a reference cycle with the request's verdict and image
     bytes (~100 objects a request, held until the garbage collector ran).
     """
-    encoding = asyncio.ensure_future(adapter.encode([part.data or b"" for part in images]))
+    encoding = asyncio.ensure_future(adapter.encode([part.content() or b"" for part in images]))
     gone = False
 
     def client_left() -> None:
