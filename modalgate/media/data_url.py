@@ -34,14 +34,14 @@ def parse_data_url(url: str) -> DataUrl | None:
     return DataUrl(mime=fields[0].lower(), is_base64=is_base64, payload=url[comma + 1 :])
 
 
-def decoded_size(payload: str | memoryview, *, wrapped: bool = False) -> int:
+def decoded_size(payload: str | memoryview | bytes, *, wrapped: bool = False) -> int:
     """Bytes the payload decodes to, from its length alone (exact for valid base64).
 
     ``wrapped`` discounts line breaks and spaces first: a scan, so callers ask
     for it only when the fast answer is over a limit. ``payload`` may be the
-    body's own bytes (``validators.json_body.payloads_aside``).
+    body's own bytes (``validators.json_body.payloads_aside``), or a text judged before.
     """
-    if isinstance(payload, memoryview):
+    if not isinstance(payload, str):
         if wrapped:
             payload = _WHITESPACE_BYTES.sub(b"", payload)
         tail = bytes(payload[-2:]).decode("latin-1")
@@ -54,7 +54,7 @@ def decoded_size(payload: str | memoryview, *, wrapped: bool = False) -> int:
     return n // 4 * 3 - padding + (n % 4 * 3 // 4)
 
 
-def decode_base64(payload: str | memoryview) -> bytes:
+def decode_base64(payload: str | memoryview | bytes) -> bytes:
     """Strict decode; line-wrapped (MIME-style) base64 is accepted, as servers accept it.
 
     A payload read from the body's bytes is decoded strictly only: its reader
@@ -63,7 +63,7 @@ def decode_base64(payload: str | memoryview) -> bytes:
     try:
         return pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        if isinstance(payload, memoryview):
+        if not isinstance(payload, str):
             raise Base64Error("the base64 payload is not strict base64") from None
     stripped = _WHITESPACE.sub("", payload)
     if stripped != payload:

@@ -203,8 +203,9 @@ class VerdictCacheSpec(_Strict):
     enabled: bool = True
     max_entries: int = Field(10_000, ge=0)
     max_bytes: int = Field(128 * 1024 * 1024, ge=0)
-    # Smaller payloads are walked again: cheaper than comparing them.
-    min_payload_bytes: int = Field(4096, ge=0)
+    # Smaller payloads are walked again: cheaper than comparing them. A payload is
+    # recognised in a body by a window 2 KiB in (validators/verdict_cache.PROBE_AT).
+    min_payload_bytes: int = Field(4096, ge=2080)
 
 
 # The policy file's ``server:`` section: derived from the one settings model.

@@ -26,7 +26,7 @@ from __future__ import annotations
 import codecs
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,7 +133,9 @@ def _too_many_values(allowed: int) -> Violation:
     )
 
 
-def payloads_aside(body: bytes) -> tuple[bytes, dict[str, memoryview]]:
+def payloads_aside(
+    body: bytes, known_run: Callable[[bytes, int], bytes | None] | None = None
+) -> tuple[bytes, dict[str, memoryview | bytes]]:
     """``body`` with each long data URL payload swapped for a token, and the payloads by token.
 
     A payload is the run from ``;base64,`` to the next ``"``. Whether that run was
@@ -146,23 +148,28 @@ def payloads_aside(body: bytes) -> tuple[bytes, dict[str, memoryview]]:
     with those strings shortened. The tokens hold 64 random bits, so no client can
     write one elsewhere in its body, and a ``-``, outside the base64 alphabet, so a
     token read as a payload never decodes.
+
+    ``known_run`` (``VerdictCache.known_run``): a payload already judged is recognised
+    by one comparison instead of the scan for its closing quote, and set aside as the
+    very text that was judged (it held nothing but the base64 alphabet then).
     """
     start = body.find(_BASE64_MARK)
     if start < 0:
         return body, {}
     view, nonce = memoryview(body), os.urandom(8).hex()
     pieces: list[bytes | memoryview] = []
-    aside: dict[str, memoryview] = {}
+    aside: dict[str, memoryview | bytes] = {}
     done = 0
     while start >= 0:
         begin = start + len(_BASE64_MARK)
-        end = body.find(b'"', begin)
+        known = known_run(body, begin) if known_run is not None else None
+        end = begin + len(known) if known is not None else body.find(b'"', begin)
         if end < 0:
             break
         if end - begin >= ASIDE_MIN_PAYLOAD:
             token = f"{nonce}-{len(aside)}"
             pieces += (view[done:begin], token.encode())
-            aside[token] = view[begin:end]
+            aside[token] = known if known is not None else view[begin:end]
             done = end
         start = body.find(_BASE64_MARK, end)
     if not aside:

@@ -39,7 +39,7 @@ def cheap_violations(
     part: PartDraft,
     rule: ResolvedRule,
     urls: MediaUrls,
-    aside: dict[str, memoryview] | None = None,
+    aside: dict[str, memoryview | bytes] | None = None,
 ) -> list[Violation]:
     """``aside``: payloads read from the body's bytes, by the token that stands for each
     (``json_body.payloads_aside``); a part whose payload is a token takes it, once."""
@@ -127,7 +127,7 @@ def probe_violations(
     return violations
 
 
-def _payload_bytes(payload: str | memoryview) -> bytes | memoryview:
+def _payload_bytes(payload: str | memoryview | bytes) -> bytes | memoryview:
     """The payload's text as bytes, uncopied where it is the body's (base64 is ASCII; a
     str that is not is refused when decoded, and never reaches a cache entry)."""
     if isinstance(payload, str):

@@ -194,7 +194,7 @@ def _with_payloads_aside(
     payloads (``json_body.payloads_aside``), so the whole body would be accepted
     too, with the same parts; its ``request`` is parsed when first read.
     """
-    skeleton, aside = payloads_aside(body)
+    skeleton, aside = payloads_aside(body, cache.known_run if cache is not None else None)
     if not aside:
         return None
     request = parse_json_body(skeleton)
@@ -216,7 +216,7 @@ def validate_request(
     served: ServedModel | None = None,
     dialect: DialectOf | None = None,
     *,
-    aside: dict[str, memoryview] | None = None,
+    aside: dict[str, memoryview | bytes] | None = None,
     cache: VerdictCache | None = None,
 ) -> Verdict:
     """Validate an already-parsed request; ``body_size`` enables the per-model body cap.

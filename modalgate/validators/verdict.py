@@ -58,7 +58,7 @@ class MediaPart:
     # The URL sits where a data URL may stand instead, so fetched bytes can be inlined.
     inlinable: bool = False
     # The base64 text (or the body's bytes of it: ``json_body.payloads_aside``), until decoded.
-    payload: str | memoryview | None = field(default=None, repr=False)
+    payload: str | memoryview | bytes | None = field(default=None, repr=False)
     # The client's id for the media (vLLM's ``uuid``), and where it sits: the engine's
     # caches key on it, so the gate rewrites it (``gateway/gate/media_ids.py``).
     media_id: str | None = None
@@ -214,7 +214,7 @@ class PartDraft:
     type_param: str | None = None
     data: bytes | None = field(default=None, repr=False)
     inlinable: bool = False
-    payload: str | memoryview | None = field(default=None, repr=False)
+    payload: str | memoryview | bytes | None = field(default=None, repr=False)
     media_id: str | None = None
     id_param: str | None = None
     digest: bytes | None = field(default=None, repr=False)

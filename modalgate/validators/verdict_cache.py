@@ -28,15 +28,19 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Any
 
 from modalgate.policy.matching import ResolvedRule
 from modalgate.validators.verdict import PartDraft
 
 # Accounted per entry beside its text: the entry and its facts, the key tuple (three
-# 32-byte windows), the OrderedDict slot (tests/validators/test_verdict_cache.py measures
-# ~835 with tracemalloc).
-ENTRY_OVERHEAD_BYTES = 900
+# 32-byte windows), the OrderedDict slot, the text's place in the index ``known_run``
+# reads (tests/validators/test_verdict_cache.py measures ~1,100 with tracemalloc).
+ENTRY_OVERHEAD_BYTES = 1200
 WINDOW = 32  # bytes of the text at its start, middle and end in the lookup key
+# Where a body's run is recognised (``known_run``): past the header bytes most photos of
+# one format share, inside the payload's own data (``min_payload_bytes`` is at least this).
+PROBE_AT = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +89,10 @@ class VerdictCache:
     ) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self.min_payload_bytes = min_payload_bytes
+        self.min_payload_bytes = max(min_payload_bytes, PROBE_AT + WINDOW)
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
+        # The texts held, by their window at PROBE_AT: [text, entries holding it] each
+        self._texts: dict[bytes, list[list[Any]]] = {}
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -98,7 +104,7 @@ class VerdictCache:
         """New bounds (a policy reload); what no longer fits goes, oldest first."""
         with self._lock:
             self.max_entries, self.max_bytes = max_entries, max_bytes
-            self.min_payload_bytes = min_payload_bytes
+            self.min_payload_bytes = max(min_payload_bytes, PROBE_AT + WINDOW)
             self._evict()
 
     def __len__(self) -> int:
@@ -108,16 +114,31 @@ class VerdictCache:
     def accounted_bytes(self) -> int:
         return self._bytes
 
-    def takes(self, payload: str | memoryview) -> bool:
+    def takes(self, payload: str | memoryview | bytes) -> bool:
         """Whether a payload this long is worth a lookup (small ones are cheaper to walk)."""
         return self.max_entries > 0 and len(payload) >= self.min_payload_bytes
+
+    def known_run(self, body: bytes, begin: int) -> bytes | None:
+        """The text held here that ``body`` has from ``begin`` up to a closing quote, if
+        one is: found by one comparison in place of the scan for that quote
+        (``json_body.payloads_aside``), and handed on as the very object held, so the
+        lookup that follows (``recall``) compares nothing again."""
+        window = body[begin + PROBE_AT : begin + PROBE_AT + WINDOW]
+        with self._lock:
+            held = [text for text, _ in self._texts.get(window, ())]
+        for text in held:
+            end = begin + len(text)
+            if body[end : end + 1] == b'"' and body.startswith(text, begin):
+                return text
+        return None
 
     def recall(self, key: Hashable, text: bytes | memoryview) -> _Entry | None:
         """The entry judged on exactly ``text`` under ``key`` (``key_of``); None: judge it."""
         with self._lock:
             entry = self._entries.get(key)
-            # Equal lengths (the key's), so a prefix is the whole: one memcmp, no copy.
-            found = entry is not None and entry.text.startswith(text)
+            # Equal lengths (the key's), so a prefix is the whole: one memcmp, no copy;
+            # none where the body's run was recognised as this very text.
+            found = entry is not None and (entry.text is text or entry.text.startswith(text))
             if found:
                 self._entries.move_to_end(key)
                 self.hits += 1
@@ -133,13 +154,21 @@ class VerdictCache:
         size = len(text) + ENTRY_OVERHEAD_BYTES
         if size > self.max_bytes:
             return
-        entry = _Entry(bytes(text), ContentFacts.of(part), part.digest)
+        held = text if type(text) is bytes else bytes(text)
+        entry = _Entry(held, ContentFacts.of(part), part.digest)
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
-                self._bytes -= len(old.text) + ENTRY_OVERHEAD_BYTES
+                self._forget(old)
             self._entries[key] = entry
             self._bytes += size
+            texts = self._texts.setdefault(held[PROBE_AT : PROBE_AT + WINDOW], [])
+            for same in texts:
+                if same[0] is held:
+                    same[1] += 1
+                    break
+            else:
+                texts.append([held, 1])
             self._evict()
 
     def _evict(self) -> None:
@@ -147,7 +176,20 @@ class VerdictCache:
             len(self._entries) > self.max_entries or self._bytes > self.max_bytes
         ):
             _, old = self._entries.popitem(last=False)
-            self._bytes -= len(old.text) + ENTRY_OVERHEAD_BYTES
+            self._forget(old)
+
+    def _forget(self, entry: _Entry) -> None:
+        self._bytes -= len(entry.text) + ENTRY_OVERHEAD_BYTES
+        window = entry.text[PROBE_AT : PROBE_AT + WINDOW]
+        texts = self._texts[window]
+        for at, same in enumerate(texts):
+            if same[0] is entry.text:
+                same[1] -= 1
+                if not same[1]:
+                    del texts[at]
+                break
+        if not texts:
+            del self._texts[window]
 
 
 def key_of(text: bytes | memoryview, part: PartDraft, rule: ResolvedRule) -> Hashable:

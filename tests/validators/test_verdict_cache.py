@@ -165,7 +165,7 @@ def test_entries_and_bytes_are_bounded_least_recently_used_first(full_matcher):
 
 def test_an_entry_costs_its_text_and_at_most_the_accounted_overhead(full_matcher):
     cache = VerdictCache(max_entries=1_000, min_payload_bytes=0)
-    images = [noise_png(24, 24, seed=100 + i) for i in range(200)]
+    images = [noise_png(40, 40, seed=100 + i) for i in range(200)]  # ~6.5 KB of base64
     bodies = [photos_chat(image) for image in images]
     texts = sum(len(pybase64.b64encode(image)) for image in images)
     tracemalloc.start()
@@ -180,3 +180,19 @@ def test_an_entry_costs_its_text_and_at_most_the_accounted_overhead(full_matcher
     per_entry = (kept - texts) / 200
     assert 0 < per_entry <= ENTRY_OVERHEAD_BYTES, per_entry
     assert cache.accounted_bytes == texts + 200 * ENTRY_OVERHEAD_BYTES
+
+
+def test_a_run_is_recognised_only_where_it_ends_with_the_text_held(full_matcher):
+    cache = VerdictCache()
+    validate_body(photos_chat(PHOTOS[0]), full_matcher, cache=cache)
+    text = pybase64.b64encode(PHOTOS[0])
+    raw = photos_chat(PHOTOS[0])
+    begin = raw.index(text)
+    assert cache.known_run(raw, begin) == text
+    # The same text with more base64 after it: not the run held, scanned for its end.
+    longer = raw[: begin + len(text)] + b"AAAA" + raw[begin + len(text) :]
+    assert cache.known_run(longer, begin) is None
+    verdict = validate_body(longer, full_matcher, cache=cache)
+    assert verdict.to_dict() == validate_body(longer, full_matcher).to_dict()
+    assert cache.hits == 0
+    assert validate_body(raw, full_matcher, cache=cache).accepted and cache.hits == 1
