@@ -135,9 +135,12 @@ def start_envoy(
     return ServerProcess(name, [*command, "-l", "error"], port)
 
 
-def start_modalgate(upstream: int | None, cpu: int | None, check: bool = False) -> ServerProcess:
+def start_modalgate(
+    upstream: int | None, cpu: int | None, check: bool = False, policy: Path | None = None
+) -> ServerProcess:
     """``serve --upstream``; without an upstream, the ext_authz decision service, or
-    with ``check`` the one that answers Envoy's Lua filter (``--check-prefix``)."""
+    with ``check`` the one that answers Envoy's Lua filter (``--check-prefix``);
+    ``policy``: a policy file instead of the built-in one."""
     port = free_port()
     if check:
         where = ["--check-prefix", CHECK_PREFIX]
@@ -147,6 +150,7 @@ def start_modalgate(upstream: int | None, cpu: int | None, check: bool = False) 
         where = ["--upstream", f"http://127.0.0.1:{upstream}"]
     command = [*pin(cpu), sys.executable, "-m", "modalgate.gateway.cli", "serve", *where]
     command += ["--port", str(port), "--log-level", "warning", "--no-access-log"]
+    command += ["--policy", str(policy)] if policy is not None else []
     name = "modalgate (check)" if check else "modalgate (ext_authz)"
     name = "modalgate serve" if upstream else name
     return ServerProcess(name, command, port, _clean_env())

@@ -83,6 +83,7 @@ PEERS = (
     "nginx",
     "envoy",
     "modalgate",
+    "nocache",
     "litellm",
     "authz",
     "lua",
@@ -93,6 +94,7 @@ PEERS = (
     "floorsync",
 )
 LUA = "Envoy + Lua + modalgate check"
+NOCACHE = "modalgate serve, verdict cache off"
 EXTPROC = "Envoy + modalgate ext_proc"
 EXTPROC_ONE = "Envoy + ext_proc, one message"
 EXTPROC_ONE_UDS = "Envoy + ext_proc, one message, UDS"
@@ -207,6 +209,12 @@ class Load:
     wrk_cpu: int | None
 
 
+def _cache_off(tmp: Path) -> Path:
+    path = tmp / "verdict-cache-off.yaml"
+    path.write_text("extends: builtin\nverdict_cache: {enabled: false}\n", "utf-8")
+    return path
+
+
 def start_arms(
     tmp: Path, processes: list[ServerProcess], upstream: int, cpu: int | None, only: set[str]
 ) -> list[Arm]:
@@ -216,6 +224,13 @@ def start_arms(
         ("nginx", "nginx", lambda: start_nginx(tmp, upstream, cpu)),
         ("envoy", "Envoy", lambda: start_envoy(tmp, upstream, None, cpu)),
         ("modalgate", "modalgate serve", lambda: start_modalgate(upstream, cpu)),
+        # The same without the verdict cache (issue 43's "before", beside its "after"):
+        # wrk resends one body, so the arm above judges it once.
+        (
+            "nocache",
+            NOCACHE,
+            lambda: start_modalgate(upstream, cpu, policy=_cache_off(tmp)),
+        ),
         ("litellm", "LiteLLM proxy", lambda: start_litellm(tmp, upstream, cpu)),
     ]
     for key, label, start in candidates:
@@ -226,7 +241,7 @@ def start_arms(
             print(f"skipped {label}: {process}")
             continue
         process = _started(processes, process, timeout=120)
-        arms.append(Arm(label, process, {label: process}, gated=key == "modalgate"))
+        arms.append(Arm(label, process, {label: process}, gated=key in ("modalgate", "nocache")))
     if "authz" in only:
         decider = _started(processes, start_modalgate(None, cpu))
         front = start_envoy(tmp, upstream, decider.port, cpu)
@@ -416,6 +431,18 @@ def _report(
         print(result_line(NAME, ratio, f"<= {TARGET:g}", ratio <= TARGET))
     else:
         print(result_line(NAME, float("nan"), f"<= {TARGET:g}", False) + " (Envoy absent)")
+    if {"Envoy", "modalgate serve", NOCACHE} <= names:
+        image = "1 MB image"
+        envoy_image = median(results[image, "Envoy"].cpu_ms["Envoy"])
+        rows = [
+            (arm, median(results[image, arm].cpu_ms[arm]) / envoy_image)
+            for arm in (NOCACHE, "modalgate serve")
+        ]
+        print(
+            "image row, serve CPU ÷ Envoy's: "
+            + "; ".join(f"{arm} {ratio:.2f}" for arm, ratio in rows)
+            + " (issue 43: <= 2 with the cache)"
+        )
     authz = "Envoy + modalgate ext_authz"
 
     def total(label: str, arm: str) -> float:
