@@ -19,8 +19,8 @@ The whole declared length (at most ``protocol.WHOLE_BODY_BYTES``) is allocated
 when the reader starts, but the allocator hands out a block that size without
 touching it: its pages become resident as the client's bytes are written in (200
 readers of 4 MiB each, nothing received: +1-2 MiB resident, with and without
-``server.reuse_big_buffers``), so a client that declares a length and sends nothing
-holds no more memory than before.
+``server.reuse_big_buffers``; 200 of 16 MiB: +1.8 MB), so a client that declares a
+length and sends nothing holds no more memory than before.
 """
 
 from __future__ import annotations
