@@ -62,9 +62,10 @@ IN_PLACE_MIN_BYTES = 64 * 1024
 # A request body of a declared length up to this is handed to the app whole (the gate
 # reads up to the policy's max_body_bytes, 64 MiB by default, whole in any case). A chat
 # that resends four 1 MB photos every turn is 5.3 MB: at 4 MiB it took the two-copy path
-# (a bytes per read, then the gate's join), a third of serve's CPU on a repeated turn
-# (benchmarks/conversation.py). The block is only reserved until the client's bytes land
-# in it (body_reader), so a client that declares 16 MiB and sends nothing holds no more.
+# (a bytes per read, then the gate's join), 5-7 ms of the gate's CPU on a repeated turn
+# where 2.7-4.7 remain (benchmarks/conversation.py). The block is only reserved until
+# the client's bytes land in it (body_reader), so a client that declares 16 MiB and
+# sends nothing holds no more.
 WHOLE_BODY_BYTES = 16 * 1024 * 1024
 # A piece of a read fed to llhttp up to this size is copied out: cheaper than a view.
 SMALL_PIECE_BYTES = 4096
