@@ -144,7 +144,7 @@ async def rewrite_to_embeds(
             slots.append(slot)
     if problems:
         return Embedded(problems, [])
-    results = await adapter.encode([part.content() or b"" for part in images])
+    results = await adapter.encode(await image_bytes(images))
     problems = [
         problem
         for part, result in zip(images, results, strict=True)
@@ -240,3 +240,11 @@ def _build_parts(
         embeds_image_part(result.embedding, result.grid_thw, spec, uuid)
         for result, uuid in zip(results, uuids, strict=True)
     ]
+
+
+async def image_bytes(images: Sequence[MediaPart]) -> list[bytes]:
+    """The images' decoded bytes for an encoder: a payload the verdict cache spared from
+    decoding (``MediaPart.content``) is decoded here, in a worker thread, not on the loop."""
+    if all(part.data is not None for part in images):
+        return [part.data or b"" for part in images]
+    return await anyio.to_thread.run_sync(lambda: [part.content() or b"" for part in images])

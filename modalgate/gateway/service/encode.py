@@ -27,6 +27,7 @@ from modalgate.errors import ErrorCode, Violation, error_json, status_of
 from modalgate.gateway.gate.middleware import get_verdict
 from modalgate.gateway.gate.send import json_bytes
 from modalgate.gateway.http.protocol import ON_CLIENT_GONE
+from modalgate.gateway.service.embeds import image_bytes
 from modalgate.validators import MediaPart, Verdict
 
 ENCODE_PATH = "/v1/encode"
@@ -91,7 +92,7 @@ async def _unless_disconnected(
     cancellation's traceback in a reference cycle with the request's verdict and image
     bytes (~100 objects a request, held until the garbage collector ran).
     """
-    encoding = asyncio.ensure_future(adapter.encode([part.content() or b"" for part in images]))
+    encoding = asyncio.ensure_future(adapter.encode(await image_bytes(images)))
     gone = False
 
     def client_left() -> None:
