@@ -84,7 +84,6 @@ class Gateway:
         extproc: bool = False,
     ) -> None:
         self.settings = settings
-        self.extproc = extproc
         # (matcher, the default route's model lists, what they give): see _listed_models
         self._listed_cache: tuple[RuleMatcher, tuple, tuple[frozenset[str], str | None]] | None
         self._listed_cache = None
@@ -163,8 +162,9 @@ class Gateway:
             else None
         )
         gate: ASGIApp = self.gate
-        if settings.authz_prefix or settings.check_prefix:
-            gate = AuthzChecks(gate, settings.authz_prefix or settings.check_prefix or "")
+        checks_under = settings.authz_prefix or settings.check_prefix
+        if checks_under:
+            gate = AuthzChecks(gate, checks_under)
         # The lock comes before anything reads a body; inside RequestId, which reads only
         # the id header, so a refused request still has an id and an access line.
         self.api_keys = configured_keys(settings.api_keys, settings.api_key_file)
